@@ -1,0 +1,32 @@
+"""Fully Sharded Data Parallel on XLA devices, for Hugging Face Accelerate."""
+
+from .checkpointing import checkpoint_module
+from .fsdp import XlaFullyShardedDataParallel
+from .options import FsdpOptions
+from .runner import DevicePool, ReplicaError, run_on_devices, seeded
+from .wrap import (
+    TransformerBlockPolicy,
+    lambda_auto_wrap_policy,
+    predicate_policy,
+    size_based_auto_wrap_policy,
+    size_policy,
+    transformer_auto_wrap_policy,
+    transformer_block_policy,
+)
+
+__all__ = [
+    "XlaFullyShardedDataParallel",
+    "checkpoint_module",
+    "FsdpOptions",
+    "run_on_devices",
+    "DevicePool",
+    "ReplicaError",
+    "seeded",
+    "TransformerBlockPolicy",
+    "transformer_block_policy",
+    "size_policy",
+    "predicate_policy",
+    "transformer_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "lambda_auto_wrap_policy",
+]

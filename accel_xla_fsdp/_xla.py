@@ -1,0 +1,240 @@
+"""The one module that talks to torch_xla.
+
+Everything platform-specific lives here, so a port to another backend (or a change of mind about
+which collective form a platform needs) is a change to this file alone.
+
+[Note: collective forms]
+On a TPU we issue collectives exactly as torch_xla's own FSDP has for years: ``xm.all_gather``,
+``xm.reduce_scatter`` and ``xm.all_reduce`` with ``groups`` and ``pin_layout``, no channel id.
+On XLA:CPU devices that form hangs: XLA:CPU matches the participants of a collective by an op id
+which, without a channel id, is the compiled module's unique id, different in every replica thread.
+So on the CPU every collective carries a channel id, numbered per traced graph in trace order
+(identical on every replica because every replica traces the same program), with
+``use_global_device_ids=True`` and explicit groups. ``pin_layout=True`` would route all-gather
+through an all-reduce that takes no channel id, so the CPU form never pins layouts, and the CPU has
+no working all-reduce at all: we build it from an all-gather and a local reduction.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+from torch_xla import runtime as _runtime
+
+Groups = Optional[List[List[int]]]
+
+# ---------------------------------------------------------------------------------------------
+# Platform and devices
+
+
+def platform() -> str:
+    """The PJRT device type of this process: ``"CPU"``, ``"TPU"``, ..."""
+    return xr.device_type()
+
+
+def on_cpu() -> bool:
+    return platform() == "CPU"
+
+
+def device() -> torch.device:
+    """This replica's XLA device."""
+    return torch_xla.device()
+
+
+def is_xla_device(dev: torch.device) -> bool:
+    return dev.type == "xla"
+
+
+def global_rank() -> int:
+    return xr.global_ordinal()
+
+
+def world_size() -> int:
+    return xr.world_size()
+
+
+def default_shard_size_multiple() -> int:
+    """Pad each replica's shard to a multiple of this many elements.
+
+    On a TPU, torch_xla pads to 128 and gathers 2-D (-1, 128) tiles, which it found efficient
+    (pytorch/xla#3510); we keep that proven form there. Elsewhere padding only costs memory.
+    """
+    return 128 if platform() == "TPU" else 1
+
+
+def cpu_device_env(num_devices: int) -> dict:
+    """The environment N XLA:CPU devices in one process need (see the platform note).
+
+    ``PJRT_CPU_ASYNC_CLIENT=0``: with the asynchronous client, multi-step runs abort at a random
+    step when one replica never reaches a rendezvous. ``XLA_THREAD_POOL_SIZE``: with the default
+    pool, 4 devices on 2 cores abort at the first collective.
+    """
+    return {
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(num_devices),
+        "PJRT_CPU_ASYNC_CLIENT": "0",
+        "XLA_THREAD_POOL_SIZE": str(max(16, 4 * num_devices)),
+    }
+
+
+def runtime_initialized() -> bool:
+    return torch_xla._XLAC._xla_runtime_is_initialized()
+
+
+def local_devices() -> List[torch.device]:
+    """The XLA devices this process drives, one replica thread each on the CPU."""
+    devices = xm.get_xla_supported_devices()
+    xm.set_replication(torch_xla.device(), devices)
+    return [torch.device(d) for d in devices]
+
+
+def enter_replica_thread(dev: torch.device) -> None:
+    """Make ``dev`` this thread's default device and set the thread's rank and world size."""
+    torch_xla._XLAC._xla_set_default_device(str(dev))
+    _runtime._init_world_size_ordinal()
+
+
+def run_on_native_devices(fn: Callable[[], object]) -> dict:
+    """The TPU (and any non-CPU) path: torch_xla's own process-per-chip launcher."""
+    from torch_xla._internal import pjrt
+
+    return pjrt.run_multiprocess(fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph boundaries
+
+
+def sync() -> None:
+    """Cut the traced graph here and run it (``xm.mark_step``)."""
+    torch_xla.sync()
+
+
+_channel = threading.local()
+
+
+def _next_channel_id() -> int:
+    _channel.next = getattr(_channel, "next", 0) + 1
+    return _channel.next
+
+
+def _reset_channel_ids() -> None:
+    _channel.next = 0
+
+
+def line_up_replicas_at_sync(barrier: threading.Barrier, timeout_s: float) -> None:
+    """On XLA:CPU, hold every replica at each graph boundary until all have traced their graph.
+
+    XLA:CPU aborts the process when the replicas reach a collective more than 10 s apart (a fixed
+    rendezvous timeout). Replicas trace on one Python interpreter and compile on shared cores, so
+    one can easily fall 10 s behind. Every sync (``xm.mark_step``, ``torch_xla.sync``) goes through
+    ``_xla_step_marker``; waiting there means all replicas start compiling and running a graph
+    together. It is also where a graph ends, so the channel-id numbering restarts there.
+    """
+    original = torch_xla._XLAC._xla_step_marker
+
+    def step_marker(*args, **kwargs):
+        try:
+            barrier.wait(timeout_s)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"replica {global_rank()} waited {timeout_s:.0f} s at a graph boundary "
+                "(xm.mark_step / torch_xla.sync) for the other replicas. On XLA:CPU devices "
+                "every replica must call sync the same number of times."
+            ) from None
+        _reset_channel_ids()
+        return original(*args, **kwargs)
+
+    torch_xla._XLAC._xla_step_marker = step_marker
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor storage and the compiler
+
+
+def replace_data(tensor: torch.Tensor, new_data: torch.Tensor) -> None:
+    """Point ``tensor`` at ``new_data``'s storage, keeping its autograd identity.
+
+    This is how full parameters are freed and rebuilt on XLA (there is no storage to resize):
+    the parameter object stays a leaf that autograd knows, while the XLA tensor behind it is
+    swapped for a gathered one or a 1-element placeholder that the compiler can recycle.
+    torch_xla's FSDP uses ``_XLAC._replace_xla_tensor`` here when functionalization is on; in
+    torch_xla 2.9 that call leaves a parameter holding materialized device data unchanged for the
+    computations that read it (measured), while ``.data`` assignment works, so we use that.
+    """
+    with torch.autograd._unsafe_preserve_version_counter(tensor):
+        tensor.data = new_data
+
+
+def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
+    """In place: the compiler may not move computation across these values, nor merge through them."""
+    tensors = [t for t in tensors if t is not None]
+    if tensors:
+        xm.optimization_barrier_(tensors)
+
+
+def rng_state(dev: torch.device) -> int:
+    return xm.get_rng_state(dev)
+
+
+def set_rng_state(seed: int, dev: torch.device) -> None:
+    xm.set_rng_state(seed, dev)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives (see [Note: collective forms])
+
+
+def _cpu_groups(groups: Groups) -> List[List[int]]:
+    return groups if groups is not None else [list(range(world_size()))]
+
+
+def all_gather(tensor: torch.Tensor, groups: Groups, pin_layout: bool) -> torch.Tensor:
+    """Concatenate ``tensor`` from every member of this replica's group along dim 0."""
+    if on_cpu():
+        return xm.all_gather(
+            tensor,
+            dim=0,
+            groups=_cpu_groups(groups),
+            pin_layout=False,
+            channel_id=_next_channel_id(),
+            use_global_device_ids=True,
+        )
+    return xm.all_gather(tensor, dim=0, groups=groups, pin_layout=pin_layout)
+
+
+def reduce_scatter_sum(
+    tensor: torch.Tensor, shard_count: int, scale: float, groups: Groups, pin_layout: bool
+) -> torch.Tensor:
+    """Sum ``tensor`` over the group, times ``scale``; keep this replica's 1/shard_count of dim 0."""
+    if on_cpu():
+        return xm.reduce_scatter(
+            xm.REDUCE_SUM,
+            tensor,
+            scale=scale,
+            scatter_dim=0,
+            shard_count=shard_count,
+            groups=_cpu_groups(groups),
+            pin_layout=False,
+            channel_id=_next_channel_id(),
+            use_global_device_ids=True,
+        )
+    return xm.reduce_scatter(
+        xm.REDUCE_SUM, tensor, scale=scale, scatter_dim=0, shard_count=shard_count,
+        groups=groups, pin_layout=pin_layout,
+    )
+
+
+def all_reduce(tensor: torch.Tensor, op: str, groups: Groups, pin_layout: bool) -> torch.Tensor:
+    """Reduce ``tensor`` (``op`` is ``"sum"`` or ``"max"``) over the group; every member gets it."""
+    if on_cpu():
+        stacked = all_gather(tensor.unsqueeze(0), groups, pin_layout=False)
+        return stacked.sum(0) if op == "sum" else stacked.amax(0)
+    reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
+    return xm.all_reduce(reduce_type, tensor, groups=groups, pin_layout=pin_layout)
+

@@ -1,0 +1,206 @@
+"""A group of parameters that are gathered, freed and reduce-scattered together as one shard.
+
+[Note: full parameters and shards]
+The modules keep using ordinary ``nn.Parameter`` objects (the *full parameters*), but these are
+no longer registered with their modules, and between uses the XLA tensor behind each is a
+1-element placeholder. Gathering points them at slices of an all-gathered tensor; freeing points
+them back at the placeholder, so nothing in Python holds the gathered value and the compiler can
+reuse its memory. Autograd only ever sees the full parameters as leaves: their ``.grad`` is the
+full gradient of this replica's batch, which the group reduce-scatters into the ``.grad`` of its
+shard, the one ``nn.Parameter`` the optimizer sees.
+
+Two layouts:
+* flat: the group's parameters (one, or all of a unit's when ``flatten_parameters``) are
+  flattened, concatenated, padded to a multiple of ``world_size * shard_size_multiple`` elements
+  and split evenly: replica r holds elements [r * s, (r + 1) * s).
+* dim 0: one parameter, padded along dim 0 to a multiple of ``world_size`` rows and split by rows,
+  so each shard keeps the parameter's trailing shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _xla
+from .options import FsdpOptions, ShardingGroup
+
+SHARD_NAME_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
+
+
+@dataclass
+class ParamSlot:
+    """One full parameter inside a group."""
+
+    param: nn.Parameter
+    name: str  # relative to the unit's wrapped module, e.g. "mlp.fc1.weight"
+    shape: torch.Size
+    offset: int  # into the unpadded flat tensor (flat layout)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How to reassemble a group's full tensor from its shards: what a checkpoint must record.
+
+    Its fields follow torch_xla's shard metadata: ``orig_name`` is the tensor's name under the
+    unit (``_fsdp_wrapped_module.<param>`` or ``_fsdp_wrapped_module.flat_param_<i>``) and
+    ``orig_size`` its unpadded size. A flat parameter also lists what it concatenates.
+    """
+
+    shard_name: str
+    orig_name: str
+    orig_size: torch.Size
+    dim0: bool
+    flat_names: Optional[Tuple[str, ...]] = None
+    flat_shapes: Optional[Tuple[torch.Size, ...]] = None
+
+
+def shard_param_name(orig_name: str) -> str:
+    """The registered name of a shard: torch_xla's, which its consolidation tool recognizes."""
+    return f"_fsdp_shard.{orig_name}".replace(".", SHARD_NAME_SEPARATOR)
+
+
+class ShardedParamGroup:
+    """Full parameters (``slots``) and this replica's shard of them (``shard``)."""
+
+    def __init__(
+        self,
+        slots: List[ParamSlot],
+        full_values: Sequence[torch.Tensor],
+        spec: ShardSpec,
+        options: FsdpOptions,
+        sharding: ShardingGroup,
+        device: torch.device,
+        requires_grad: bool,
+    ) -> None:
+        self.slots = slots
+        self.spec = spec
+        self.options = options
+        self.sharding = sharding
+        self.gathered = False
+        self._grads_seen = 0
+        self._placeholder = torch.zeros(1, dtype=options.compute_dtype, device=device)
+        with torch.no_grad():
+            shard = self._local_shard(self._pad(self._join(full_values)))
+            self.shard = nn.Parameter(shard.to(device), requires_grad=requires_grad)
+        for slot in slots:
+            _xla.replace_data(slot.param, self._placeholder)
+
+    # -- layout -----------------------------------------------------------------------------
+
+    def _join(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.spec.dim0:
+            return values[0]
+        return torch.cat([v.reshape(-1) for v in values])
+
+    def _pad(self, full: torch.Tensor) -> torch.Tensor:
+        """Pad dim 0 so that it splits evenly (and, flat, into shard_size_multiple tiles)."""
+        multiple = self.sharding.world_size * (1 if self.spec.dim0 else self.options.shard_size_multiple)
+        missing = -full.size(0) % multiple
+        if missing == 0:
+            return full
+        return F.pad(full, [0, 0] * (full.dim() - 1) + [0, missing])
+
+    def _local_shard(self, padded: torch.Tensor) -> torch.Tensor:
+        rows = padded.size(0) // self.sharding.world_size
+        start = self.sharding.rank * rows
+        return padded[start : start + rows].clone()
+
+    def _view(self, full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        if self.spec.dim0:
+            return full[: slot.shape[0]]
+        return full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    # -- gather and free --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather(self, barrier: bool) -> None:
+        """Point every full parameter at its slice of the all-gathered shards (idempotent)."""
+        if self.gathered:
+            return
+        shard = self.shard.detach().to(self.options.compute_dtype)
+        full = self._all_gather(shard)
+        if barrier:
+            _xla.optimization_barrier_([full])
+        for slot in self.slots:
+            _xla.replace_data(slot.param, self._view(full, slot))
+        self.gathered = True
+
+    def _all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.sharding.world_size == 1:
+            return shard
+        multiple = self.options.shard_size_multiple
+        pin = self.options.pin_layout_in_collective_ops
+        if not self.spec.dim0 and multiple > 1:
+            # torch_xla's TPU form: gather (-1, 128) tiles rather than a long vector.
+            return _xla.all_gather(shard.view(-1, multiple), self.sharding.groups, pin).flatten()
+        return _xla.all_gather(shard, self.sharding.groups, pin)
+
+    @torch.no_grad()
+    def free(self) -> None:
+        """Point every full parameter back at the 1-element placeholder."""
+        if not self.gathered:
+            return
+        for slot in self.slots:
+            _xla.replace_data(slot.param, self._placeholder)
+        self.gathered = False
+
+    @property
+    def full_params(self) -> List[nn.Parameter]:
+        return [slot.param for slot in self.slots]
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def note_grad_ready(self) -> bool:
+        """Count one full parameter's finished gradient; True once the whole group has one."""
+        self._grads_seen += 1
+        return self._grads_seen == len(self.slots)
+
+    @property
+    def has_pending_grads(self) -> bool:
+        return any(slot.param.grad is not None for slot in self.slots)
+
+    @torch.no_grad()
+    def reduce_grads(self, barrier: bool) -> Optional[torch.Tensor]:
+        """Reduce-scatter the full gradients (mean over the group) into ``shard.grad``.
+
+        The full gradients are dropped. Returns the reduced shard gradient (for barriers), or None
+        when no parameter of the group received a gradient.
+        """
+        self._grads_seen = 0
+        grads = [slot.param.grad for slot in self.slots]
+        if all(g is None for g in grads):
+            return None
+        for slot in self.slots:
+            slot.param.grad = None
+        full = self._pad(self._join(self._fill_missing(grads))).to(self.options.reduce_dtype)
+        if barrier:
+            _xla.optimization_barrier_([full])
+        reduced = self._reduce_scatter(full).to(self.shard.dtype)
+        if barrier:
+            _xla.optimization_barrier_([reduced])
+        if self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad += reduced
+        return reduced
+
+    def _fill_missing(self, grads: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+        ref = next(g for g in grads if g is not None)
+        return [g if g is not None else ref.new_zeros(s.shape) for g, s in zip(grads, self.slots)]
+
+    def _reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        world = self.sharding.world_size
+        if world == 1:
+            return full
+        return _xla.reduce_scatter_sum(
+            full, world, 1.0 / world, self.sharding.groups, self.options.pin_layout_in_collective_ops
+        )

@@ -1,0 +1,287 @@
+"""Run a function on N XLA devices, one replica per device.
+
+On a TPU this is torch_xla's own launcher (a process per chip). On the CPU there are no chips:
+torch_xla gives N XLA:CPU devices in one process, one Python thread each, and that process needs
+settings nobody should have to remember (``_xla.cpu_device_env``). It also has two failure modes
+that this module turns into errors:
+
+* a replica that raises leaves the others waiting for ever at their next collective. The device
+  process therefore runs in a child process; the first replica to fail reports its exception and
+  traceback and the whole process ends, and the caller gets the error re-raised within seconds;
+* XLA:CPU aborts when replicas reach a collective more than 10 s apart, e.g. while one is still
+  compiling; the replicas are lined up at every graph boundary (``_xla.line_up_replicas_at_sync``).
+
+A ``DevicePool`` keeps the device process alive between calls, so compiled programs are shared
+(the test suite runs every test of one device count in one pool); ``run_on_devices`` is the one-shot
+form for scripts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import traceback
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import _xla
+
+ReplicaFn = Callable[..., Any]
+
+DEFAULT_SYNC_TIMEOUT_S = 600.0
+
+
+class ReplicaError(RuntimeError):
+    """A replica failed in a way that left no exception to re-raise (e.g. the process died)."""
+
+
+class _RemoteTraceback(Exception):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def run_on_devices(
+    fn: ReplicaFn,
+    num_devices: Optional[int] = None,
+    args: Sequence[Any] = (),
+    env: Optional[Dict[str, str]] = None,
+) -> List[Any]:
+    """Run ``fn(rank, *args)`` on every device; return the replicas' results in rank order.
+
+    ``fn`` must be importable by name (a module-level function): on the CPU it runs in a child
+    process. Tensors in the results come back on the CPU. ``env`` adds environment variables for
+    the device process (for example ``XLA_FLAGS``). On a TPU, ``num_devices`` must be ``None``:
+    every local device takes part, and results are those of torch_xla's launcher.
+    """
+    if not _on_cpu_platform():
+        if num_devices is not None:
+            raise ValueError("num_devices applies to XLA:CPU devices only; on a TPU every device runs")
+        results = _xla.run_on_native_devices(_ReplicaCall(fn, tuple(args)))
+        return [results[r] for r in sorted(results)]
+    with DevicePool(num_devices or 1, env=env) as pool:
+        return pool.run(fn, *args)
+
+
+_SEEDED = threading.Lock()
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed the CPU random generator for the block, one replica at a time.
+
+    FSDP assumes every replica builds the same initial model. On XLA:CPU devices the replicas are
+    threads sharing one random generator, so a model initialized at random must be built inside
+    ``with seeded(seed):`` to come out the same on each.
+    """
+    with _SEEDED:
+        state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            torch.random.set_rng_state(state)
+
+
+def _on_cpu_platform() -> bool:
+    pjrt_device = os.environ.get("PJRT_DEVICE")
+    if pjrt_device is not None:
+        return pjrt_device.upper() == "CPU"
+    return _xla.platform() == "CPU"
+
+
+class DevicePool:
+    """A child process driving ``num_devices`` XLA:CPU devices, reused across ``run`` calls.
+
+    After a replica fails, the process is gone; the next ``run`` starts a fresh one.
+    """
+
+    def __init__(
+        self,
+        num_devices: int,
+        env: Optional[Dict[str, str]] = None,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+    ) -> None:
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        self.num_devices = num_devices
+        self.env = {**_xla.cpu_device_env(num_devices), **(env or {})}
+        self.sync_timeout_s = sync_timeout_s
+        self._process: Optional[multiprocessing.process.BaseProcess] = None
+        self._conn: Optional[Connection] = None
+
+    def __enter__(self) -> "DevicePool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, fn: ReplicaFn, *args: Any) -> List[Any]:
+        """Run ``fn(rank, *args)`` on every device of the pool; results in rank order."""
+        self._ensure_started()
+        assert self._conn is not None
+        self._conn.send((fn, args))
+        kind, payload = self._receive()
+        if kind == "ok":
+            return payload
+        self.close()
+        rank, exc, tb_text = payload
+        raise _replica_exception(rank, self.num_devices, exc, tb_text)
+
+    def close(self) -> None:
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            try:
+                self._conn.send(None)
+                self._process.join(timeout=5)
+            except (BrokenPipeError, OSError):
+                pass
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+        self._process = self._conn = None
+
+    def _ensure_started(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        self.close()
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe()
+        process = ctx.Process(
+            target=_serve,
+            args=(child_conn, self.num_devices, self.sync_timeout_s),
+            name=f"xla-cpu-{self.num_devices}-devices",
+            daemon=True,
+        )
+        with _environment(self.env):
+            process.start()
+        child_conn.close()
+        self._process, self._conn = process, parent_conn
+
+    def _receive(self) -> tuple:
+        assert self._conn is not None and self._process is not None
+        while not self._conn.poll(0.2):
+            if not self._process.is_alive():
+                if self._conn.poll(0):  # it may have reported just before ending
+                    break
+                code = self._process.exitcode
+                self.close()
+                raise ReplicaError(
+                    f"the process driving {self.num_devices} XLA:CPU devices died "
+                    f"({_describe_exit(code)}); its own output above says why. XLA:CPU aborts the "
+                    "process when a replica does not reach a collective within 10 s of the others."
+                )
+        return self._conn.recv()
+
+
+@contextmanager
+def _environment(extra: Dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _replica_exception(rank: int, world: int, exc: Optional[BaseException], tb_text: str) -> BaseException:
+    note = f"raised in replica {rank} of {world}"
+    if exc is None:
+        return ReplicaError(f"{note}:\n{tb_text}")
+    exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in replica {rank} of {world}:\n{tb_text}")
+    exc.add_note(note)
+    return exc
+
+
+class _ReplicaCall:
+    """Pickle-able ``fn(rank, *args)`` for torch_xla's launcher."""
+
+    def __init__(self, fn: ReplicaFn, args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def __call__(self) -> Any:
+        return self.fn(_xla.global_rank(), *self.args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device process
+
+
+def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
+    devices = _xla.local_devices()
+    if len(devices) != num_devices:
+        raise RuntimeError(f"asked for {num_devices} XLA:CPU devices, the runtime has {len(devices)}")
+    _xla.line_up_replicas_at_sync(threading.Barrier(num_devices), sync_timeout_s)
+    send_lock = threading.Lock()
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        fn, args = request
+        results: List[Any] = [None] * num_devices
+        threads = [
+            threading.Thread(
+                target=_replica_main,
+                args=(rank, dev, fn, args, results, conn, send_lock),
+                name=f"replica-{rank}",
+            )
+            for rank, dev in enumerate(devices)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        conn.send(("ok", results))
+
+
+def _replica_main(
+    rank: int,
+    dev: torch.device,
+    fn: ReplicaFn,
+    args: tuple,
+    results: List[Any],
+    conn: Connection,
+    send_lock: threading.Lock,
+) -> None:
+    try:
+        _xla.enter_replica_thread(dev)
+        results[rank] = tree_map(_to_host, fn(rank, *args))
+    except BaseException as exc:  # noqa: BLE001 - any failure must end the run, not hang it
+        _report_and_exit(rank, exc, conn, send_lock)
+
+
+def _to_host(x: Any) -> Any:
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _report_and_exit(rank: int, exc: BaseException, conn: Connection, send_lock: threading.Lock) -> None:
+    """Send the first failure to the caller and end the process: the other replicas may be stuck
+    inside a collective that will never complete, and no thread can be stopped from outside."""
+    tb_text = "".join(traceback.format_exception(exc))
+    with send_lock:
+        try:
+            conn.send(("error", (rank, exc, tb_text)))
+        except Exception:  # the exception itself does not pickle: send its text only
+            conn.send(("error", (rank, None, tb_text)))
+        os._exit(1)
