@@ -18,7 +18,9 @@ form for scripts.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
+import pickle
 import os
 import signal
 import threading
@@ -129,7 +131,7 @@ class DevicePool:
         """Run ``fn(rank, *args)`` on every device of the pool; results in rank order."""
         self._ensure_started()
         assert self._conn is not None
-        self._conn.send((fn, args))
+        _send(self._conn, (fn, args))
         kind, payload = self._receive()
         if kind == "ok":
             return payload
@@ -142,7 +144,7 @@ class DevicePool:
             return
         if self._process.is_alive():
             try:
-                self._conn.send(None)
+                _send(self._conn, None)
                 self._process.join(timeout=5)
             except (BrokenPipeError, OSError):
                 pass
@@ -182,7 +184,12 @@ class DevicePool:
                     f"({_describe_exit(code)}); its own output above says why. XLA:CPU aborts the "
                     "process when a replica does not reach a collective within 10 s of the others."
                 )
-        return self._conn.recv()
+        return pickle.loads(self._conn.recv_bytes())
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    """Plain pickle (torch's reducers would pass CPU tensors as shared-memory file handles)."""
+    conn.send_bytes(pickle.dumps(obj))
 
 
 @contextmanager
@@ -235,7 +242,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
     _xla.line_up_replicas_at_sync(threading.Barrier(num_devices), sync_timeout_s)
     send_lock = threading.Lock()
     while True:
-        request = conn.recv()
+        request = pickle.loads(conn.recv_bytes())
         if request is None:
             return
         fn, args = request
@@ -252,7 +259,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
             t.start()
         for t in threads:
             t.join()
-        conn.send(("ok", results))
+        _send(conn, ("ok", results))
 
 
 def _replica_main(
@@ -266,13 +273,21 @@ def _replica_main(
 ) -> None:
     try:
         _xla.enter_replica_thread(dev)
-        results[rank] = tree_map(_to_host, fn(rank, *args))
+        results[rank] = _to_host(fn(rank, *args))
     except BaseException as exc:  # noqa: BLE001 - any failure must end the run, not hang it
         _report_and_exit(rank, exc, conn, send_lock)
 
 
 def _to_host(x: Any) -> Any:
-    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+    """Tensors (also inside containers and dataclasses) moved to the CPU, to leave the process."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        copy = dataclasses.replace(x)
+        for f in dataclasses.fields(x):
+            object.__setattr__(copy, f.name, _to_host(getattr(x, f.name)))
+        return copy
+    return tree_map(_to_host, x) if isinstance(x, (list, tuple, dict)) else x
 
 
 def _report_and_exit(rank: int, exc: BaseException, conn: Connection, send_lock: threading.Lock) -> None:
@@ -281,7 +296,7 @@ def _report_and_exit(rank: int, exc: BaseException, conn: Connection, send_lock:
     tb_text = "".join(traceback.format_exception(exc))
     with send_lock:
         try:
-            conn.send(("error", (rank, exc, tb_text)))
+            _send(conn, ("error", (rank, exc, tb_text)))
         except Exception:  # the exception itself does not pickle: send its text only
-            conn.send(("error", (rank, None, tb_text)))
+            _send(conn, ("error", (rank, None, tb_text)))
         os._exit(1)

@@ -1,0 +1,34 @@
+"""Shared fixtures: one device process per device count, reused by every test.
+
+Starting a device process costs ~8 s (importing torch, torch_xla and transformers) and each new
+program is compiled once per process, so every test of one device count runs in the same pool.
+A test whose replica fails ends its pool; the next test starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Dict, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # test helper modules import by name in replicas
+
+from accel_xla_fsdp import DevicePool  # noqa: E402
+
+DEVICE_COUNTS = (1, 2, 4)
+
+
+@pytest.fixture(scope="session")
+def pools() -> Iterator[Dict[int, DevicePool]]:
+    made = {n: DevicePool(n) for n in DEVICE_COUNTS}
+    yield made
+    for pool in made.values():
+        pool.close()
+
+
+@pytest.fixture(params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
+def pool(request, pools) -> DevicePool:
+    """A pool of 1, 2 and 4 XLA:CPU devices in turn."""
+    return pools[request.param]
