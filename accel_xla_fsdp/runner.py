@@ -9,7 +9,8 @@ that this module turns into errors:
   process therefore runs in a child process; the first replica to fail reports its exception and
   traceback and the whole process ends, and the caller gets the error re-raised within seconds;
 * XLA:CPU aborts when replicas reach a collective more than 10 s apart, e.g. while one is still
-  compiling; the replicas are lined up at every graph boundary (``_xla.line_up_replicas_at_sync``).
+  compiling; the replicas take turns at every graph boundary, so one compiles and the others
+  reuse its program (``_xla.take_turns_at_sync``).
 
 A ``DevicePool`` keeps the device process alive between calls, so compiled programs are shared
 (the test suite runs every test of one device count in one pool); ``run_on_devices`` is the one-shot
@@ -239,7 +240,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
     devices = _xla.local_devices()
     if len(devices) != num_devices:
         raise RuntimeError(f"asked for {num_devices} XLA:CPU devices, the runtime has {len(devices)}")
-    _xla.line_up_replicas_at_sync(threading.Barrier(num_devices), sync_timeout_s)
+    _xla.take_turns_at_sync(num_devices, sync_timeout_s)
     send_lock = threading.Lock()
     while True:
         request = pickle.loads(conn.recv_bytes())
