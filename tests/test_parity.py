@@ -16,6 +16,10 @@ import torch
 from models import Case, Trace, train_fsdp, train_moe_reference, train_reference
 
 RTOL, ATOL = 1e-5, 1e-6
+# Adam divides each gradient by its own running magnitude, so on an element whose gradient is
+# nearly zero it turns float32 round-off into updates of up to lr. Adam is also blind to a wrong
+# gradient scale: the SGD cases, with the tight tolerance, are the ones that catch that.
+ADAM_ATOL = 1e-5
 
 FLAT = (("flatten_parameters", True),)
 DIM0 = (("shard_param_on_dim_0", True),)
@@ -54,10 +58,10 @@ def mean_over_replicas(traces: List[Trace], attr: str) -> torch.Tensor:
     return torch.stack([torch.stack(getattr(t, attr)) for t in traces]).mean(0)
 
 
-def assert_states_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> None:
+def assert_states_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], atol: float) -> None:
     assert sorted(got) == sorted(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -65,6 +69,7 @@ def test_fsdp_matches_single_device(pool, case: Case) -> None:
     world = pool.num_devices
     traces = pool.run(train_fsdp, world, case)
     ref, ref_experts = reference(world, case)
+    atol = ATOL if case.optimizer == "sgd" else ADAM_ATOL
 
     torch.testing.assert_close(mean_over_replicas(traces, "losses"), torch.stack(ref.losses), rtol=RTOL, atol=ATOL)
     if case.clip:
@@ -72,10 +77,10 @@ def test_fsdp_matches_single_device(pool, case: Case) -> None:
             torch.testing.assert_close(torch.stack(t.grad_norms), torch.stack(ref.grad_norms), rtol=RTOL, atol=ATOL)
     if ref_experts is None:
         for t in traces:
-            assert_states_close(t.state, ref.state)
+            assert_states_close(t.state, ref.state, atol)
         return
     for rank, t in enumerate(traces):
         expert = {k: v for k, v in t.state.items() if k.startswith("module.2.")}
         shared = {k: v for k, v in t.state.items() if k not in expert}
-        assert_states_close(shared, ref.state)
-        assert_states_close(expert, ref_experts[rank])
+        assert_states_close(shared, ref.state, atol)
+        assert_states_close(expert, ref_experts[rank], atol)
