@@ -45,9 +45,27 @@ from .wrap import recursive_wrap, resolve_policy
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
 
-# Every full parameter a unit manages, and every parameter a unit replaced, with its name:
-# to catch an optimizer built before wrapping, and a parameter claimed by two units.
-_MANAGED_PARAMS: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
+class _ParamRegistry:
+    """Every full parameter a unit manages, and every parameter a unit replaced, with its name:
+    to catch an optimizer built before wrapping, and a parameter claimed by two units.
+
+    Keyed by identity: weak containers compare their keys with ``==``, elementwise for tensors.
+    """
+
+    def __init__(self) -> None:
+        self._names: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {}
+
+    def add(self, param: nn.Parameter, name: str) -> None:
+        key = id(param)
+        self._names[key] = (weakref.ref(param), name)
+        weakref.finalize(param, self._names.pop, key, None)
+
+    def name_of(self, param: torch.Tensor) -> Optional[str]:
+        entry = self._names.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+
+_MANAGED_PARAMS = _ParamRegistry()
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -536,9 +554,10 @@ def _owned_parameters(module: nn.Module) -> _OwnedParams:
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            if p in _MANAGED_PARAMS:
+            owner = _MANAGED_PARAMS.name_of(p)
+            if owner is not None:
                 raise ValueError(
-                    f"parameter '{prefix}{attr}' is also used by '{_MANAGED_PARAMS[p]}', which "
+                    f"parameter '{prefix}{attr}' is also used by '{owner}', which "
                     "another wrapper owns. A shared (tied) parameter must be used within one unit: "
                     "wrap the modules that share it together, or leave them to the outer wrapper."
                 )
@@ -591,8 +610,8 @@ def _full_param_for(
     for m, attr, _ in owners:
         del m._parameters[attr]
         object.__setattr__(m, attr, full)
-    _MANAGED_PARAMS[orig] = owners[0][2]
-    _MANAGED_PARAMS[full] = owners[0][2]
+    _MANAGED_PARAMS.add(orig, owners[0][2])
+    _MANAGED_PARAMS.add(full, owners[0][2])
     return full
 
 
@@ -629,9 +648,10 @@ def _original_name(name: str) -> str:
 def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in _MANAGED_PARAMS:
+            name = _MANAGED_PARAMS.name_of(p)
+            if name is not None:
                 raise ValueError(
-                    f"this {type(optimizer).__name__} holds '{_MANAGED_PARAMS[p]}' of the unwrapped "
+                    f"this {type(optimizer).__name__} holds '{name}' of the unwrapped "
                     "model, which FSDP has replaced by shards; build the optimizer after wrapping, "
                     "from the wrapped model's parameters()"
                 )
