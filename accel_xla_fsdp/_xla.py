@@ -128,21 +128,25 @@ def _reset_channel_ids() -> None:
 
 
 class _Turns:
-    """Replicas take turns, in rank order, each step."""
+    """Replicas meet, then take turns in rank order, at every graph boundary."""
 
     def __init__(self, num_replicas: int, timeout_s: float) -> None:
         self.num_replicas, self.timeout_s = num_replicas, timeout_s
+        self.barrier = threading.Barrier(num_replicas)
         self.turn = 0
         self.cond = threading.Condition()
 
     def wait_for(self, rank: int) -> None:
+        try:
+            self.barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"replica {rank} waited {self.timeout_s:.0f} s at a graph boundary (xm.mark_step / "
+                "torch_xla.sync) for the other replicas. On XLA:CPU devices every replica must call "
+                "sync the same number of times."
+            ) from None
         with self.cond:
-            if not self.cond.wait_for(lambda: self.turn == rank, self.timeout_s):
-                raise RuntimeError(
-                    f"replica {rank} waited {self.timeout_s:.0f} s at a graph boundary (xm.mark_step / "
-                    f"torch_xla.sync) for replica {self.turn}. On XLA:CPU devices every replica must "
-                    "call sync the same number of times."
-                )
+            self.cond.wait_for(lambda: self.turn == rank)
 
     def done(self) -> None:
         with self.cond:
@@ -150,11 +154,13 @@ class _Turns:
             self.cond.notify_all()
 
 
-def take_turns_at_sync(num_replicas: int, timeout_s: float) -> None:
+def take_turns_at_sync(num_replicas: int, timeout_s: float, check: Callable[[], None]) -> None:
     """On XLA:CPU, let replicas cut and launch each graph one at a time, in rank order.
 
-    XLA:CPU aborts the process when the replicas reach a collective more than 10 s apart (a fixed
-    rendezvous timeout). Replicas that launch a new graph together all compile it at once on the
+    XLA:CPU aborts the process when a replica waits at a collective too long for the others (a
+    fixed rendezvous timeout: a warning after 5 s, the abort 10 s later). So the replicas first
+    wait for each other at the boundary (one may still be tracing, or held up by its caller), then
+    launch in turn. Replicas that launch a new graph together all compile it at once on the
     shared cores and finish up to tens of seconds apart (measured: 18 to 37 s for one step of a
     small transformer on 4 devices). Compiled programs are cached per process, not per device, so
     taken in turns the first replica compiles while the others wait, and they then find it in the
@@ -170,6 +176,7 @@ def take_turns_at_sync(num_replicas: int, timeout_s: float) -> None:
     turns = _Turns(num_replicas, timeout_s)
 
     def step_marker(device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True):
+        check()
         rank = global_rank()
         turns.wait_for(rank)
         try:

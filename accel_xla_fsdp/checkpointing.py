@@ -42,7 +42,9 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     """Make ``module``'s forward checkpointed: activations are recomputed in backward.
 
     Returns the same module, with its instance ``forward`` replaced. Forward passes without
-    gradients (evaluation) run as usual.
+    gradients (evaluation) run as usual. The forward runs twice, so it must not change state
+    that its second run would see: train a ``transformers`` model with ``use_cache=False``, or
+    each block appends its keys and values to the cache again when recomputed.
     """
     original = module.forward
 

@@ -76,6 +76,7 @@ def run_on_devices(
 
 
 _SEEDED = threading.Lock()
+_in_seeded = threading.local()
 
 
 @contextmanager
@@ -84,15 +85,27 @@ def seeded(seed: int) -> Iterator[None]:
 
     FSDP assumes every replica builds the same initial model. On XLA:CPU devices the replicas are
     threads sharing one random generator, so a model initialized at random must be built inside
-    ``with seeded(seed):`` to come out the same on each.
+    ``with seeded(seed):`` to come out the same on each. Wrap it outside the block: wrapping syncs
+    the devices, which needs every replica, and the others are waiting for this block to end.
     """
     with _SEEDED:
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)
+        _in_seeded.active = True
         try:
             yield
         finally:
+            _in_seeded.active = False
             torch.random.set_rng_state(state)
+
+
+def _refuse_sync_inside_seeded() -> None:
+    if getattr(_in_seeded, "active", False):
+        raise RuntimeError(
+            "sync (xm.mark_step / torch_xla.sync, or wrapping with XlaFullyShardedDataParallel) "
+            "inside `with seeded(...)`: the other replicas wait for this block to end, so they "
+            "cannot join. Build the model inside the block, and wrap or sync after it."
+        )
 
 
 def _on_cpu_platform() -> bool:
@@ -176,16 +189,18 @@ class DevicePool:
         assert self._conn is not None and self._process is not None
         while not self._conn.poll(0.2):
             if not self._process.is_alive():
-                if self._conn.poll(0):  # it may have reported just before ending
-                    break
-                code = self._process.exitcode
-                self.close()
-                raise ReplicaError(
-                    f"the process driving {self.num_devices} XLA:CPU devices died "
-                    f"({_describe_exit(code)}); its own output above says why. XLA:CPU aborts the "
-                    "process when a replica does not reach a collective within 10 s of the others."
-                )
-        return pickle.loads(self._conn.recv_bytes())
+                break
+        try:  # a process that ended closed its end: what it sent before is still there
+            return pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._process.join(timeout=5)
+            code = self._process.exitcode
+            self.close()
+            raise ReplicaError(
+                f"the process driving {self.num_devices} XLA:CPU devices died "
+                f"({_describe_exit(code)}); its own output above says why. XLA:CPU aborts the "
+                "process when a replica waits too long at a collective for the others."
+            ) from None
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -193,18 +208,23 @@ def _send(conn: Connection, obj: Any) -> None:
     conn.send_bytes(pickle.dumps(obj))
 
 
+_ENVIRONMENT = threading.Lock()
+
+
 @contextmanager
 def _environment(extra: Dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """Set ``extra`` in this process's environment while a child process starts (it inherits it)."""
+    with _ENVIRONMENT:
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -240,7 +260,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
     devices = _xla.local_devices()
     if len(devices) != num_devices:
         raise RuntimeError(f"asked for {num_devices} XLA:CPU devices, the runtime has {len(devices)}")
-    _xla.take_turns_at_sync(num_devices, sync_timeout_s)
+    _xla.take_turns_at_sync(num_devices, sync_timeout_s, _refuse_sync_inside_seeded)
     send_lock = threading.Lock()
     while True:
         request = pickle.loads(conn.recv_bytes())
@@ -296,8 +316,14 @@ def _report_and_exit(rank: int, exc: BaseException, conn: Connection, send_lock:
     inside a collective that will never complete, and no thread can be stopped from outside."""
     tb_text = "".join(traceback.format_exception(exc))
     with send_lock:
-        try:
-            _send(conn, ("error", (rank, exc, tb_text)))
-        except Exception:  # the exception itself does not pickle: send its text only
-            _send(conn, ("error", (rank, None, tb_text)))
+        _send(conn, ("error", (rank, exc if _survives_pickling(exc) else None, tb_text)))
         os._exit(1)
+
+
+def _survives_pickling(exc: BaseException) -> bool:
+    """Whether the caller can rebuild ``exc`` (some pickle but need other constructor arguments)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return True
+    except Exception:
+        return False

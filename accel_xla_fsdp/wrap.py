@@ -18,6 +18,8 @@ BlockClasses = Iterable[Union[Type[nn.Module], str]]
 
 # Containers without a forward of their own are never units.
 _NEVER_WRAPPED = (nn.ModuleList, nn.ModuleDict)
+# Modules whose forward reads their children's parameters directly are never looked into.
+_LEAVES = (nn.MultiheadAttention,)
 
 
 def transformer_auto_wrap_policy(
@@ -28,12 +30,25 @@ def transformer_auto_wrap_policy(
 
 
 def size_based_auto_wrap_policy(
-    module: nn.Module, recurse: bool, unwrapped_params: int, min_num_params: int = int(1e8)
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Optional[Set[Type[nn.Module]]] = None,
+    exclude_wrap_modules: Optional[Set[Type[nn.Module]]] = None,
 ) -> bool:
-    """Wrap a module once at least ``min_num_params`` of its parameters are not yet wrapped."""
+    """Wrap a module once at least ``min_num_params`` of its parameters are not yet wrapped.
+
+    Never looks inside ``force_leaf_modules`` (default ``nn.MultiheadAttention``, whose forward
+    reads ``out_proj.weight`` directly, so ``out_proj`` must not become a unit of its own) and
+    never wraps ``exclude_wrap_modules`` (default ``nn.ModuleList``, ``nn.ModuleDict``): torch_xla's
+    arguments and defaults.
+    """
+    leaves = tuple(force_leaf_modules if force_leaf_modules is not None else _LEAVES)
+    excluded = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else _NEVER_WRAPPED)
     if recurse:
-        return unwrapped_params >= min_num_params
-    return unwrapped_params >= min_num_params and not isinstance(module, _NEVER_WRAPPED)
+        return unwrapped_params >= min_num_params and not isinstance(module, leaves)
+    return unwrapped_params >= min_num_params and not isinstance(module, excluded)
 
 
 def lambda_auto_wrap_policy(
@@ -54,11 +69,14 @@ class TransformerBlockPolicy:
         self.block_classes = None if block_classes is None else tuple(block_classes)
 
     def for_model(self, model: nn.Module) -> Policy:
-        wanted = self.block_classes if self.block_classes is not None else _no_split_modules(model)
+        named = self.block_classes is not None
+        wanted = self.block_classes if named else _no_split_modules(model)
         names = {c if isinstance(c, str) else c.__name__ for c in wanted}
         classes = {type(m) for m in model.modules() if type(m).__name__ in names}
         missing = names - {c.__name__ for c in classes}
-        if missing:
+        # _no_split_modules may list classes of a model's other variants (an encoder's blocks in
+        # a decoder-only model): only the classes named by the user must all be there.
+        if (named and missing) or not classes:
             raise ValueError(
                 f"no module of class {sorted(missing)} in {type(model).__name__}; name the block "
                 "classes that exist in the model"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM  # at import time: not thread-safe later
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from accel_xla_fsdp import _xla, seeded, transformer_block_policy
+from accel_xla_fsdp import _xla, checkpoint_module, seeded, transformer_block_policy
 
 LOCAL_BATCH = 2
 
@@ -32,6 +32,7 @@ class Case:
     steps: int = 3
     accumulation: int = 1
     clip: Optional[float] = None
+    checkpoint: bool = False  # activation checkpointing inside every auto-wrapped unit
 
     @property
     def fsdp_kwargs(self) -> Dict[str, Any]:
@@ -42,6 +43,7 @@ class Case:
         opts = "-".join(f"{k}={v}" for k, v in self.fsdp) or "default"
         extra = f"-accum{self.accumulation}" if self.accumulation > 1 else ""
         extra += f"-clip{self.clip}" if self.clip else ""
+        extra += "-checkpointed" if self.checkpoint else ""
         return f"{self.model}-{opts}-{self.optimizer}{extra}"
 
 
@@ -143,6 +145,7 @@ def make_expert(rank: int) -> nn.Linear:
 LLAMA_CONFIG = dict(
     vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    use_cache=False,  # training: and a recomputed (checkpointed) forward must not extend a cache
 )
 
 
@@ -160,9 +163,14 @@ def build(name: str) -> nn.Module:
         return makers[name]()
 
 
-def wrap(name: str, model: nn.Module, rank: int, world: int, kw: Dict[str, Any]) -> FSDP:
+def checkpointed_unit(module: nn.Module, *args: Any, **kwargs: Any) -> FSDP:
+    return FSDP(checkpoint_module(module), *args, **kwargs)
+
+
+def wrap(name: str, model: nn.Module, rank: int, world: int, kw: Dict[str, Any], checkpoint: bool = False) -> FSDP:
     if name == "llama":
-        return FSDP(model, auto_wrap_policy=transformer_block_policy(), **kw)
+        wrapper = checkpointed_unit if checkpoint else None
+        return FSDP(model, auto_wrap_policy=transformer_block_policy(), auto_wrapper_callable=wrapper, **kw)
     if name == "moe":
         model.module[2] = make_expert(rank)
         return model.wrap(world, **kw)
@@ -218,7 +226,7 @@ class Trace:
 
 def train_fsdp(rank: int, world: int, case: Case) -> Trace:
     """Replica ``rank`` of ``world``: FSDP training on its slice of every global batch."""
-    model = wrap(case.model, build(case.model), rank, world, case.fsdp_kwargs)
+    model = wrap(case.model, build(case.model), rank, world, case.fsdp_kwargs, case.checkpoint)
     optimizer = make_optimizer(case.optimizer, model.parameters())
     dev, trace = _xla.device(), Trace()
     for step in range(case.steps):

@@ -44,6 +44,8 @@ CASES = [
     # A transformers causal LM wrapped per decoder block by class.
     Case("llama", FLAT, optimizer="adamw", accumulation=2),
     Case("llama", DIM0 + NO_RESHARD, optimizer="sgd", clip=1.0),
+    # ... and with activation checkpointing in every block.
+    Case("llama", optimizer="sgd", checkpoint=True),
 ]
 
 

@@ -233,18 +233,11 @@ def test_run_on_devices_one_shot() -> None:
     assert marker not in os.environ  # the parent's environment is restored
 
 
-_SLOW_REPLICA_BUG = (
-    "REGRESSION (cd3f002, _xla.take_turns_at_sync): replicas now launch each graph in rank order "
-    "without waiting for each other, so replica 0 launches at once and its graph sits at the "
-    "all-gather rendezvous while replica 1 is still (here: sleeping) before its sync; XLA:CPU "
-    "aborts the process after 15 s there ('Termination timeout ... of 10 seconds exceeded'), "
-    "and the caller gets EOFError. The barrier it replaced (line_up_replicas_at_sync) passed this."
-)
 
 
 @pytest.mark.parametrize(
     "slow_rank",
-    [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=_SLOW_REPLICA_BUG))],
+    [0, 1],
     ids=["rank0-slow", "rank1-slow"],
 )
 def test_replica_slow_to_reach_first_collective_does_not_abort(pools, slow_rank: int) -> None:
@@ -268,16 +261,8 @@ def test_replica_slow_to_reach_first_collective_does_not_abort(pools, slow_rank:
         torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
 
 
-_DEATH_BUG = (
-    "BUG (runner.py, DevicePool._receive): when the device process dies, its end of the pipe "
-    "closes, so `self._conn.poll(0.2)` returns True (EOF is readable) and the loop exits before "
-    "the is_alive() check; `self._conn.recv_bytes()` then raises a bare EOFError (no exit code, no "
-    "signal, no hint) instead of ReplicaError. The ReplicaError branch is effectively dead code, "
-    "so an XLA:CPU abort (rendezvous timeout) also surfaces as EOFError."
-)
 
 
-@pytest.mark.xfail(strict=True, reason=_DEATH_BUG)
 def test_dead_pool_process_raises_replica_error_with_exit_code(pools) -> None:
     pool = pools[1]
     _warm(pool)
@@ -290,7 +275,6 @@ def test_dead_pool_process_raises_replica_error_with_exit_code(pools) -> None:
     assert elapsed < PROMPT_S, f"the death took {elapsed:.1f} s to surface"
 
 
-@pytest.mark.xfail(strict=True, reason=_DEATH_BUG)
 def test_killed_pool_process_raises_replica_error_naming_the_signal(pools) -> None:
     pool = pools[4]
     _warm(pool)
@@ -303,15 +287,6 @@ def test_killed_pool_process_raises_replica_error_naming_the_signal(pools) -> No
     assert elapsed < PROMPT_S, f"the death took {elapsed:.1f} s to surface"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (runner.py, DevicePool._receive/_report_and_exit): an exception that pickles in the "
-        "device process but does not unpickle in the caller (e.g. __init__ with two required "
-        "arguments) surfaces as TypeError from pickle.loads in _receive, losing the replica's error and "
-        "traceback, and leaves the pool unusable (next run: ConnectionResetError)."
-    ),
-)
 def test_replica_exception_that_does_not_unpickle(pools) -> None:
     pool = pools[2]  # alive after the recovery above; the next user restarts it
     _warm(pool)
@@ -326,3 +301,20 @@ def test_replica_exception_that_does_not_unpickle(pools) -> None:
         assert results == [0, 1]
     finally:
         pool.close()  # whatever happened, leave the session pool in a state that restarts
+
+
+def sync_inside_seeded(rank: int) -> None:
+    with seeded(0):
+        nn.Linear(4, 4)
+        _xla.sync()
+
+
+def test_sync_inside_seeded_is_refused_with_advice(pools) -> None:
+    """Inside ``seeded`` the other replicas wait for the block to end, so a sync there could
+    never complete: it is refused at once, saying what to do instead."""
+    pool = pools[2]
+    _warm(pool)
+    results, error, elapsed = _run_guarded(pool, sync_inside_seeded)
+    assert isinstance(error, RuntimeError), f"{type(error).__name__}: {error}"
+    assert "inside `with seeded(...)`" in str(error) and "wrap or sync after it" in str(error)
+    assert elapsed < PROMPT_S

@@ -176,25 +176,18 @@ def test_policies_decide_like_torch_xla() -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (wrap.py, size_based_auto_wrap_policy): unlike torch_xla's policy of the same name, it "
-        "recurses into nn.MultiheadAttention (torch_xla keeps it a leaf: FORCE_LEAF_MODULES), so "
-        "size_policy(n) can make mha.out_proj its own unit; MultiheadAttention.forward reads "
-        "out_proj.weight directly, gets the freed 1-element placeholder, and the forward fails "
-        "('Cannot infer shape for dot operation: f32[5,32] <dot> f32[1]')."
-    ),
-)
 def test_size_based_policy_keeps_multihead_attention_whole() -> None:
     mha = nn.MultiheadAttention(32, 2)
     big = 10**6
     theirs = xla_wrap.size_based_auto_wrap_policy(module=mha, recurse=True, unwrapped_params=big, min_num_params=1000)
     assert theirs is False
     assert size_based_auto_wrap_policy(module=mha, recurse=True, unwrapped_params=big, min_num_params=1000) is False
-    root = nn.Sequential(nn.MultiheadAttention(32, 2), nn.Linear(32, 4))
+    # As in torch_xla, a leaf is neither looked into nor wrapped alone: it stays whole inside the
+    # unit around it (here the inner Sequential), never split from its out_proj.
+    root = nn.Sequential(nn.Sequential(nn.MultiheadAttention(32, 2), nn.Linear(32, 4)), nn.Linear(4, 4))
     log = _wrap(root, size_policy(1000))
-    assert [type(m).__name__ for m in log] == ["MultiheadAttention"]
+    assert [type(m).__name__ for m in log] == ["Sequential"]
+    assert isinstance(log[0][0], nn.MultiheadAttention)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,3 +401,34 @@ def test_block_policy_makes_each_decoder_layer_a_unit_and_trains(pools) -> None:
         assert res["grads_present"] and all(res["grads_present"])
         assert res["grads_finite"] and res["grad_abs_sum"] > 0
         torch.testing.assert_close(res["loss"], expected_loss, rtol=1e-4, atol=1e-4)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _DecoderOnly(nn.Module):
+    # Like transformers' encoder-decoder families, it names a block class it does not contain.
+    _no_split_modules = ["_EncoderBlock", "_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_transformer_block_policy_skips_no_split_classes_the_model_lacks() -> None:
+    model = _DecoderOnly()
+    log = _wrap(model, transformer_block_policy().for_model(model))
+    assert [type(m).__name__ for m in log] == ["_Block", "_Block"]
+    with pytest.raises(ValueError, match=r"_EncoderBlock"):
+        transformer_block_policy(["_EncoderBlock", "_Block"]).for_model(model)
