@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test suite. Sets up .venv first when it is missing or stale. Arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/ensure_venv.sh
+status=0
+.venv/bin/python -m pytest tests -q -rA "$@" || status=$?
+if [[ $status -eq 5 ]]; then
+    echo "test.sh: pytest collected no tests: failing" >&2
+fi
+exit "$status"
