@@ -53,7 +53,7 @@ class _ParamRegistry:
     """
 
     def __init__(self) -> None:
-        self._names: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {}
+        self._names: Dict[int, Tuple[weakref.ref[nn.Parameter], str]] = {}
 
     def add(self, param: nn.Parameter, name: str) -> None:
         key = id(param)
@@ -66,7 +66,7 @@ class _ParamRegistry:
 
 
 _MANAGED_PARAMS = _ParamRegistry()
-_WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class TrainingState(Enum):
@@ -79,7 +79,7 @@ class TrainingState(Enum):
 class _RootState:
     """What the units of one wrapped model share during a forward and backward."""
 
-    def __init__(self, units: List["XlaFullyShardedDataParallel"]) -> None:
+    def __init__(self, units: List[XlaFullyShardedDataParallel]) -> None:
         self.units = units
         self.backward_deps: List[torch.Tensor] = []
         self.finalize_queued = False
@@ -189,7 +189,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         if options.execute_sharding_on_init:
             _xla.sync()
 
-    def _build_groups(self, owned: "_OwnedParams", device: torch.device) -> List[ShardedParamGroup]:
+    def _build_groups(self, owned: _OwnedParams, device: torch.device) -> List[ShardedParamGroup]:
         full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
         named = [(full[id(p)], p, owners[0][2]) for p, owners in owned]
         if not self.options.flatten_parameters:
@@ -370,7 +370,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # -- whole-model operations -------------------------------------------------------------
 
-    def _units(self) -> List[Tuple[str, "XlaFullyShardedDataParallel"]]:
+    def _units(self) -> List[Tuple[str, XlaFullyShardedDataParallel]]:
         return [(n, m) for n, m in self.named_modules() if isinstance(m, XlaFullyShardedDataParallel)]
 
     @torch.no_grad()

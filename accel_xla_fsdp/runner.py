@@ -135,7 +135,7 @@ class DevicePool:
         self._process: Optional[multiprocessing.process.BaseProcess] = None
         self._conn: Optional[Connection] = None
 
-    def __enter__(self) -> "DevicePool":
+    def __enter__(self) -> DevicePool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,7 +49,7 @@ CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(world: int, case: Case):
     if case.model == "moe":
         return train_moe_reference(world, case)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints
 
 from accel_xla_fsdp import _xla
-from models import Case, build, compute_loss, global_batch, local_slice, make_optimizer, wrap
+from models import build, compute_loss, global_batch, local_slice, make_optimizer, wrap
 
 LAYOUTS = {
     "flat": {"flatten_parameters": True},

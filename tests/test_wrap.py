@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch_xla.distributed.fsdp.wrap as xla_wrap
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 import accel_xla_fsdp
 from accel_xla_fsdp import (
