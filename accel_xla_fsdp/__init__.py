@@ -1,5 +1,6 @@
 """Fully Sharded Data Parallel on XLA devices, for Hugging Face Accelerate."""
 
+from ._xla import sync
 from .checkpointing import checkpoint_module
 from .fsdp import XlaFullyShardedDataParallel
 from .options import FsdpOptions
@@ -17,6 +18,7 @@ from .wrap import (
 __all__ = [
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
+    "sync",
     "FsdpOptions",
     "run_on_devices",
     "DevicePool",

@@ -83,6 +83,17 @@ class _RootState:
         self.units = units
         self.backward_deps: List[torch.Tensor] = []
         self.finalize_queued = False
+        self.forward_order: List[XlaFullyShardedDataParallel] = []  # of the last forward
+
+    def record_forward(self, unit: XlaFullyShardedDataParallel) -> None:
+        if unit._is_root:
+            self.forward_order.clear()
+        self.forward_order.append(unit)
+
+    def unit_before(self, unit: XlaFullyShardedDataParallel) -> Optional[XlaFullyShardedDataParallel]:
+        """The unit whose forward started just before ``unit``'s: backward needs it next."""
+        index = next((i for i, u in enumerate(self.forward_order) if u is unit), 0)
+        return self.forward_order[index - 1] if index > 0 else None
 
 
 class XlaFullyShardedDataParallel(nn.Module):
@@ -113,6 +124,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         pin_layout_in_collective_ops: bool = True,
         auto_wrap_policy: Optional[Callable[..., bool]] = None,
         auto_wrapper_callable: Optional[Callable[..., nn.Module]] = None,
+        backward_prefetch: bool = False,
         _shard_size_multiple: Optional[int] = None,
         _use_xla_patched_linear: bool = True,
     ) -> None:
@@ -135,6 +147,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             pin_layout_in_collective_ops=pin_layout_in_collective_ops,
             shard_size_multiple=_shard_size_multiple,
             use_patched_linear=_use_xla_patched_linear,
+            backward_prefetch=backward_prefetch,
         )
         super().__init__()
         if auto_wrapper_callable is not None and auto_wrap_policy is None:
@@ -156,6 +169,7 @@ class XlaFullyShardedDataParallel(nn.Module):
                 sharding_world_size=sharding_world_size,
                 shard_param_on_dim_0=shard_param_on_dim_0,
                 pin_layout_in_collective_ops=pin_layout_in_collective_ops,
+                backward_prefetch=backward_prefetch,
                 _shard_size_multiple=_shard_size_multiple,
                 _use_xla_patched_linear=_use_xla_patched_linear,
             )
@@ -241,6 +255,8 @@ class XlaFullyShardedDataParallel(nn.Module):
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         inputs = _tensors_in((args, kwargs))
         barrier = self.options.optimization_barrier_in_forward
+        if torch.is_grad_enabled() and not in_recompute():
+            state.record_forward(self)
         self._gather(inputs if barrier else None)
         outputs = self.module(*args, **kwargs)
         if self._frees_after_forward():
@@ -319,12 +335,20 @@ class XlaFullyShardedDataParallel(nn.Module):
         if not all(g.gathered for g in self._groups):
             self._gather(state.backward_deps if barrier else None)
             state.backward_deps.clear()
+        if self.options.backward_prefetch:
+            self._prefetch_next(state, grad if barrier else None)
         if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.training_state = TrainingState.BACKWARD_PRE
         if barrier:
             _xla.optimization_barrier_([grad])
             return grad.view(grad.size())
         return grad
+
+    def _prefetch_next(self, state: _RootState, dep: Optional[torch.Tensor]) -> None:
+        """Gather, now, the unit backward will need after this one (PyTorch's BACKWARD_PRE)."""
+        nxt = state.unit_before(self)
+        if nxt is not None and nxt.training_state is TrainingState.IDLE:
+            nxt._gather([dep] if dep is not None else None)
 
     def _queue_finalize(self, state: _RootState) -> None:
         if not state.finalize_queued:

@@ -47,6 +47,8 @@ class FsdpOptions:
     use_patched_linear: give nn.Linear a backward that reads the weight parameter itself.
     shard_size_multiple: pad shards to a multiple of this many elements per replica (128 on a
         TPU, for efficient gathers of 2-D tiles; 1 elsewhere).
+    backward_prefetch: in a unit's pre-backward hook, also gather the unit whose forward ran
+        just before (the next one backward needs), as PyTorch's BACKWARD_PRE prefetch does.
     """
 
     reshard_after_forward: bool = True
@@ -64,6 +66,7 @@ class FsdpOptions:
     sync_on_finalization: bool = False
     use_patched_linear: bool = True
     shard_size_multiple: int = 1
+    backward_prefetch: bool = False
 
     @property
     def reduce_dtype(self) -> torch.dtype:

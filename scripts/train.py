@@ -31,8 +31,7 @@ from datasets import Dataset, load_dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import accel_xla_fsdp
-from accel_xla_fsdp import XlaFullyShardedDataParallel, seeded, transformer_block_policy
-from accel_xla_fsdp import _xla
+from accel_xla_fsdp import XlaFullyShardedDataParallel, seeded, sync, transformer_block_policy
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 VOCAB = 256  # byte-level: token = UTF-8 byte
@@ -119,7 +118,7 @@ def replica(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        _xla.sync()  # one graph per step
+        sync()  # one graph per step
         losses.append(loss.detach())
     return losses
 

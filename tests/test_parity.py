@@ -44,8 +44,9 @@ CASES = [
     # A transformers causal LM wrapped per decoder block by class.
     Case("llama", FLAT, optimizer="adamw", accumulation=2),
     Case("llama", DIM0 + NO_RESHARD, optimizer="sgd", clip=1.0),
-    # ... and with activation checkpointing in every block.
+    # ... with activation checkpointing in every block, and with backward prefetch.
     Case("llama", optimizer="sgd", checkpoint=True),
+    Case("llama", FLAT + (("backward_prefetch", True),), optimizer="sgd"),
 ]
 
 
