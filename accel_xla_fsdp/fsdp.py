@@ -129,7 +129,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         _use_xla_patched_linear: bool = True,
     ) -> None:
         _check_wrappable(module)
-        options = make_options(
+        # Auto-wrapped units get the same arguments (torch_xla's names), hence the same options.
+        unit_kwargs = dict(
             reshard_after_forward=reshard_after_forward,
             flatten_parameters=flatten_parameters,
             execute_sharding_on_init=execute_sharding_on_init,
@@ -145,34 +146,15 @@ class XlaFullyShardedDataParallel(nn.Module):
             sharding_world_size=sharding_world_size,
             shard_param_on_dim_0=shard_param_on_dim_0,
             pin_layout_in_collective_ops=pin_layout_in_collective_ops,
-            shard_size_multiple=_shard_size_multiple,
-            use_patched_linear=_use_xla_patched_linear,
             backward_prefetch=backward_prefetch,
+            _shard_size_multiple=_shard_size_multiple,
+            _use_xla_patched_linear=_use_xla_patched_linear,
         )
+        options = make_options(**unit_kwargs)
         super().__init__()
         if auto_wrapper_callable is not None and auto_wrap_policy is None:
             raise ValueError("auto_wrapper_callable needs an auto_wrap_policy to say which modules to wrap")
         if auto_wrap_policy is not None:
-            unit_kwargs = dict(
-                reshard_after_forward=reshard_after_forward,
-                flatten_parameters=flatten_parameters,
-                execute_sharding_on_init=execute_sharding_on_init,
-                optimization_barrier_in_forward=optimization_barrier_in_forward,
-                optimization_barrier_in_backward=optimization_barrier_in_backward,
-                sync_on_finalization=sync_on_finalization,
-                disable_reshard_on_root=disable_reshard_on_root,
-                compute_dtype=compute_dtype,
-                buffer_dtype=buffer_dtype,
-                fp32_reduce_scatter=fp32_reduce_scatter,
-                sharding_groups=sharding_groups,
-                sharding_rank=sharding_rank,
-                sharding_world_size=sharding_world_size,
-                shard_param_on_dim_0=shard_param_on_dim_0,
-                pin_layout_in_collective_ops=pin_layout_in_collective_ops,
-                backward_prefetch=backward_prefetch,
-                _shard_size_multiple=_shard_size_multiple,
-                _use_xla_patched_linear=_use_xla_patched_linear,
-            )
             _check_not_wrapped_inside(module)
             wrapper = auto_wrapper_callable or XlaFullyShardedDataParallel
             recursive_wrap(module, resolve_policy(auto_wrap_policy, module), wrapper, unit_kwargs)

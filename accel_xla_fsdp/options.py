@@ -80,9 +80,10 @@ def make_options(
     sharding_groups: Optional[List[List[int]]],
     sharding_rank: Optional[int],
     sharding_world_size: Optional[int],
-    shard_size_multiple: Optional[int],
     flatten_parameters: bool,
     shard_param_on_dim_0: bool,
+    _shard_size_multiple: Optional[int],
+    _use_xla_patched_linear: bool,
     **flags: bool,
 ) -> FsdpOptions:
     """Validate torch_xla-style arguments and resolve their defaults into ``FsdpOptions``."""
@@ -93,16 +94,17 @@ def make_options(
             "flatten_parameters=True and shard_param_on_dim_0=True contradict each other: a flat "
             "shard has no dim 0 of its own. Choose one."
         )
-    if shard_size_multiple is None:
-        shard_size_multiple = 1 if shard_param_on_dim_0 else _xla.default_shard_size_multiple()
-    if shard_size_multiple < 1:
-        raise ValueError(f"_shard_size_multiple must be at least 1, got {shard_size_multiple}")
-    sharding = resolve_sharding(sharding_groups, sharding_rank, sharding_world_size)
+    multiple = _shard_size_multiple
+    if multiple is None:
+        multiple = 1 if shard_param_on_dim_0 else _xla.default_shard_size_multiple()
+    if multiple < 1:
+        raise ValueError(f"_shard_size_multiple must be at least 1, got {multiple}")
     return FsdpOptions(
         compute_dtype=compute,
         buffer_dtype=buffer,
-        sharding=sharding,
-        shard_size_multiple=shard_size_multiple,
+        sharding=resolve_sharding(sharding_groups, sharding_rank, sharding_world_size),
+        shard_size_multiple=multiple,
+        use_patched_linear=_use_xla_patched_linear,
         flatten_parameters=flatten_parameters,
         shard_param_on_dim_0=shard_param_on_dim_0,
         **flags,
