@@ -18,7 +18,7 @@ no working all-reduce at all: we build it from an all-gather and a local reducti
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch_xla
@@ -115,16 +115,21 @@ def sync() -> None:
     torch_xla.sync()
 
 
-_channel = threading.local()
+# Channel ids are numbered per device, not per thread: a replica's backward runs on autograd's
+# worker thread for its device, not on the replica's own thread, and both parts of one program
+# must draw from one count. A device is driven by one thread at a time (the replica's waits while
+# autograd's runs), so the count needs no lock.
+_channel_ids: Dict[str, int] = {}
 
 
-def _next_channel_id() -> int:
-    _channel.next = getattr(_channel, "next", 0) + 1
-    return _channel.next
+def _next_channel_id(tensor: torch.Tensor) -> int:
+    key = str(tensor.device)
+    _channel_ids[key] = _channel_ids.get(key, 0) + 1
+    return _channel_ids[key]
 
 
 def _reset_channel_ids() -> None:
-    _channel.next = 0
+    _channel_ids[str(device())] = 0
 
 
 class _Turns:
@@ -237,7 +242,7 @@ def all_gather(tensor: torch.Tensor, groups: Groups, pin_layout: bool) -> torch.
             dim=0,
             groups=_cpu_groups(groups),
             pin_layout=False,
-            channel_id=_next_channel_id(),
+            channel_id=_next_channel_id(tensor),
             use_global_device_ids=True,
         )
     return xm.all_gather(tensor, dim=0, groups=groups, pin_layout=pin_layout)
@@ -256,7 +261,7 @@ def reduce_scatter_sum(
             shard_count=shard_count,
             groups=_cpu_groups(groups),
             pin_layout=False,
-            channel_id=_next_channel_id(),
+            channel_id=_next_channel_id(tensor),
             use_global_device_ids=True,
         )
     return xm.reduce_scatter(

@@ -13,15 +13,19 @@ The life of a unit in one training step (see [Note: full parameters and shards])
              after the backward (groups some parameter got no gradient in, frozen groups).
 
 [Note: optimization barriers]
-In one lazy graph the compiler sees the backward all-gather of a unit as the same value as the
-forward one and merges them (keeping every full parameter alive from forward to backward), and
+In one lazy graph a compiler may see the backward all-gather of a unit as the same value as the
+forward one and merge them (keeping every full parameter alive from forward to backward), and
 may move gathers and frees across the neighbouring units' computation. torch_xla's FSDP puts
-optimization barriers at these points, and so do we, with the same options:
+optimization barriers at these points (proven on TPUs), and so do we, with the same options:
   forward:   barrier(shards + inputs) before the gather, barrier(gathered) after it,
              barrier(shards + outputs) after the free;
   backward:  the gradients reaching a unit's inputs and outputs, and each reduced gradient, are
              collected as dependencies; barrier(shards + dependencies) before the backward gather;
              barrier(full gradient) before the reduce-scatter, barrier(reduced) after it.
+Measured on XLA:CPU (torch_xla 2.9; tests/test_compiled_program.py): the two gathers are never
+merged there, barriers or not, because torch_xla threads a token through the collectives of a
+graph (each collective's operand is ``input + token``), and XLA:CPU removes the barriers right
+after its first CSE pass, before fusion and scheduling, so they do not change its programs.
 """
 
 from __future__ import annotations
