@@ -218,6 +218,22 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
         xm.optimization_barrier_(tensors)
 
 
+def order_after(tensor: torch.Tensor, deps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensor``, computed only once ``deps`` are: what an optimization barrier says on a TPU.
+
+    XLA:CPU removes optimization barriers right after its first CSE pass, before it schedules
+    (measured, torch_xla 2.9), and its collectives are ordered only among themselves (a token), so
+    it issues a unit's all-gather blocks ahead of the computation that needs it, holding several
+    units' full parameters at once. On the CPU we add a data dependency that the compiler cannot
+    drop: zero times one element of each dependency (``nan_to_num`` so that a ``-inf`` mask or an
+    overflow cannot turn the zero into NaN). The value is unchanged. Elsewhere the barriers do it.
+    """
+    if not on_cpu() or not deps:
+        return tensor
+    anchor = sum(torch.nan_to_num(d.detach().reshape(-1)[0].float()) for d in deps)
+    return tensor + (anchor * 0).to(tensor.dtype)
+
+
 def rng_state(dev: torch.device) -> int:
     return xm.get_rng_state(dev)
 

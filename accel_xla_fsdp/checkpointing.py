@@ -49,12 +49,21 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not _any_input_requires_grad(args, kwargs):
+            # Gradients reach the module's parameters only through the autograd function's
+            # inputs, and under FSDP the parameters the module reads are not registered with it
+            # (so they cannot be passed in): with no input requiring a gradient, checkpointing
+            # would silently drop them. This forward runs uncheckpointed instead (as torch_xla's).
             return original(*args, **kwargs)
         return _checkpointed_call(module, original, args, kwargs)
 
     module.forward = forward
     return module
+
+
+def _any_input_requires_grad(args: tuple, kwargs: dict) -> bool:
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
 
 
 def _checkpointed_call(module: nn.Module, fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -25,7 +25,9 @@ optimization barriers at these points (proven on TPUs), and so do we, with the s
 Measured on XLA:CPU (torch_xla 2.9; tests/test_compiled_program.py): the two gathers are never
 merged there, barriers or not, because torch_xla threads a token through the collectives of a
 graph (each collective's operand is ``input + token``), and XLA:CPU removes the barriers right
-after its first CSE pass, before fusion and scheduling, so they do not change its programs.
+after its first CSE pass, before fusion and scheduling. It then issued gathers blocks ahead of
+their use; so on the CPU a gather's dependencies also enter its operand as an exact zero
+(``_xla.order_after``), which the scheduler must respect (tests/test_memory.py).
 """
 
 from __future__ import annotations
@@ -284,7 +286,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
         for group in self._groups:
-            group.gather(barrier=deps is not None)
+            group.gather(deps)
 
     def _free(self, deps: Optional[List[torch.Tensor]]) -> None:
         for group in self._groups:

@@ -122,13 +122,18 @@ class ShardedParamGroup:
     # -- gather and free --------------------------------------------------------------------
 
     @torch.no_grad()
-    def gather(self, barrier: bool) -> None:
-        """Point every full parameter at its slice of the all-gathered shards (idempotent)."""
+    def gather(self, deps: Optional[List[torch.Tensor]]) -> None:
+        """Point every full parameter at its slice of the all-gathered shards (idempotent).
+
+        With ``deps``, the gather waits for them (see [Note: optimization barriers]).
+        """
         if self.gathered:
             return
         shard = self.shard.detach().to(self.options.compute_dtype)
+        if deps is not None:
+            shard = _xla.order_after(shard, deps)
         full = self._all_gather(shard)
-        if barrier:
+        if deps is not None:
             _xla.optimization_barrier_([full])
         for slot in self.slots:
             _xla.replace_data(slot.param, self._view(full, slot))
