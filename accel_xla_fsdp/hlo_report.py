@@ -84,6 +84,8 @@ class ProgramReport:
     all_reduces: Collectives
     opt_barriers: int  # left in the optimized HLO
     opt_barriers_traced: int  # in the HLO as traced, before the compiler's passes
+    # As traced: what the engine asked for. XLA:CPU widens a bf16 reduce-scatter to f32.
+    reduce_scatters_traced: Collectives
     total_bytes: int  # "Total bytes used": parameters, outputs and the peak of temporaries
     peak_gathered_bytes: int  # all-gather results live at the peak of the schedule
 
@@ -136,6 +138,7 @@ def parse_dump(directory: Path, module: Optional[str] = None) -> ProgramReport:
         all_reduces=_collectives(optimized, "all-reduce"),
         opt_barriers=sum(i.opcode == "opt-barrier" for i in optimized),
         opt_barriers_traced=sum(i.opcode == "opt-barrier" for i in traced),
+        reduce_scatters_traced=_collectives(traced, "reduce-scatter"),
         total_bytes=_total_bytes(assignment),
         peak_gathered_bytes=sum(size for name, size in _peak_values(assignment) if name in gathered),
     )

@@ -150,3 +150,22 @@ def test_forward_holds_at_most_two_blocks_full_parameters(compiled: CompiledStep
     issues gathers blocks ahead of their use, so the same bound fails."""
     assert compiled(ZERO3).peak_gathered_bytes <= expected_gather_bytes(compiled.world, 2)
     assert compiled(NO_BARRIERS).peak_gathered_bytes > expected_gather_bytes(compiled.world, 2)
+
+
+BF16 = dict(compute_dtype=torch.bfloat16)
+BF16_FP32_REDUCE = dict(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+
+
+def test_mixed_precision_gathers_bf16_and_reduces_as_asked(compiled: CompiledSteps) -> None:
+    """``compute_dtype=bfloat16``: every gather moves half the bytes of the fp32 program's, and so
+    does every gradient reduction the engine asks for, unless ``fp32_reduce_scatter`` asks for
+    fp32 there. (XLA:CPU then widens a bf16 reduce-scatter to f32 itself: in the optimized
+    program all three reduce in f32, so the request is read from the traced program.)"""
+    fp32, bf16, fp32_reduce = compiled(ZERO3), compiled(BF16), compiled(BF16_FP32_REDUCE)
+    for program in (bf16, fp32_reduce):
+        assert program.all_gathers.count == fp32.all_gathers.count
+        assert 2 * program.all_gathers.result_bytes == fp32.all_gathers.result_bytes
+        assert program.reduce_scatters_traced.count == fp32.reduce_scatters_traced.count
+    assert 2 * bf16.reduce_scatters_traced.result_bytes == fp32.reduce_scatters_traced.result_bytes
+    assert fp32_reduce.reduce_scatters_traced.result_bytes == fp32.reduce_scatters_traced.result_bytes
+    assert bf16.reduce_scatters.result_bytes == fp32.reduce_scatters.result_bytes  # widened
