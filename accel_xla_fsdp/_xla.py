@@ -82,10 +82,6 @@ def cpu_device_env(num_devices: int) -> dict:
     }
 
 
-def runtime_initialized() -> bool:
-    return torch_xla._XLAC._xla_runtime_is_initialized()
-
-
 def local_devices() -> List[torch.device]:
     """The XLA devices this process drives, one replica thread each on the CPU."""
     devices = xm.get_xla_supported_devices()

@@ -66,7 +66,3 @@ def patch_linear_modules(module: nn.Module) -> int:
 
 def _is_stock_linear_forward(m: nn.Linear) -> bool:
     return "forward" not in m.__dict__ and type(m).forward is nn.Linear.forward
-
-
-def is_patched(m: nn.Module) -> bool:
-    return hasattr(m, _ORIGINAL_FORWARD)
