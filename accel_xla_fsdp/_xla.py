@@ -226,8 +226,26 @@ def order_after(tensor: torch.Tensor, deps: Sequence[torch.Tensor]) -> torch.Ten
     """
     if not on_cpu() or not deps:
         return tensor
-    anchor = sum(torch.nan_to_num(d.detach().reshape(-1)[0].float()) for d in deps)
-    return tensor + (anchor * 0).to(tensor.dtype)
+    return tensor + (_anchor(deps) * 0).to(tensor.dtype)
+
+
+def combined_dependencies(deps: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``deps`` as one tensor for ``order_after`` on the CPU, so that a unit of many parameter
+    groups ties each gather to one scalar rather than to every dependency (per-parameter shards:
+    147 gathers, each tied to a block's dozens of gradients)."""
+    if not on_cpu() or len(deps) < 2:
+        return deps
+    return [_anchor(deps)]
+
+
+@torch.no_grad()
+def _anchor(deps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A finite scalar computed from one element of each of ``deps``.
+
+    Few traced ops per dependency: every replica traces this for every gather, and tracing is
+    the host's share of a step."""
+    firsts = torch.cat([d.reshape(-1)[:1].float() for d in deps])
+    return torch.nan_to_num(firsts).sum()
 
 
 def rng_state(dev: torch.device) -> int:

@@ -285,6 +285,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             return
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
+            deps = _xla.combined_dependencies(deps)  # built once, not once per group
         for group in self._groups:
             group.gather(deps)
 
