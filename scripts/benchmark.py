@@ -26,7 +26,7 @@ state), the first step's time (tracing, compiling and running it), the bytes the
 per device for the steady-state step program (``Total bytes used`` of its buffer assignment,
 ``XLA_FLAGS=--xla_dump_to``) against the ZeRO-3 ideal, and the collectives in that program.
 
-    .venv/bin/python scripts/benchmark.py            # ~12 min: docs/benchmark.md, docs/benchmark.png
+    .venv/bin/python scripts/benchmark.py --repeat 2   # ~23 min: docs/benchmark.md, docs/benchmark.png
     .venv/bin/python scripts/benchmark.py --quick    # smoke run, 1 and 2 devices, into out/
 """
 
