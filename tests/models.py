@@ -51,6 +51,18 @@ class Case:
 # Models
 
 
+class ResidualBlock(nn.Module):
+    """``x + fc2(tanh(fc1(x)))``: the block the compiled-program and memory tests wrap."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
 class NestedLinear(nn.Module):
     """A stack of Linear layers, some wrapped and some not, nested two deep (the seed's
     NestedWrappedModule)."""

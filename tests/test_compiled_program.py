@@ -34,6 +34,7 @@ import torch.nn as nn
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, seeded
 from accel_xla_fsdp.hlo_report import ProgramReport, StepDumper, TrainingStep
+from models import ResidualBlock
 
 BLOCKS, WIDTH, LOCAL_BATCH = 4, 64, 2
 FLOAT_BYTES = 4
@@ -45,20 +46,10 @@ NO_BARRIERS = dict(optimization_barrier_in_forward=False, optimization_barrier_i
 NO_RESHARD = dict(reshard_after_forward=False)
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, WIDTH)
-        self.fc2 = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
 class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*(Block() for _ in range(BLOCKS)))
+        self.blocks = nn.Sequential(*(ResidualBlock(WIDTH) for _ in range(BLOCKS)))
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch.nn as nn
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, checkpoint_module, seeded
 from accel_xla_fsdp.hlo_report import OPTIMIZED, StepDumper, StepReport, TrainingStep, ideal_bytes
+from models import ResidualBlock
 
 FLOAT_BYTES = 4
 
@@ -50,16 +51,6 @@ WEIGHT_BYTES = WIDTH * WIDTH * FLOAT_BYTES  # one gathered full weight
 CKPT_BLOCKS, CKPT_WIDTH, CKPT_BATCH = 4, 64, 512
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, width)
-        self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
 class Stack(nn.Module):
     """A stem (owned by the root unit, so that the blocks' inputs require gradients), the blocks,
     a head."""
@@ -67,7 +58,7 @@ class Stack(nn.Module):
     def __init__(self, blocks: int, width: int, stem: bool) -> None:
         super().__init__()
         self.stem = nn.Linear(width, width) if stem else nn.Identity()
-        self.blocks = nn.Sequential(*(Block(width) for _ in range(blocks)))
+        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(blocks)))
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -263,27 +263,20 @@ def test_replica_slow_to_reach_first_collective_does_not_abort(pools, slow_rank:
 
 
 
-def test_dead_pool_process_raises_replica_error_with_exit_code(pools) -> None:
-    pool = pools[1]
+@pytest.mark.parametrize(
+    "devices, die, named",
+    [(1, exit_with_code_3, "exit code 3"), (4, sigkill_self, "SIGKILL")],
+    ids=["exit-code", "signal"],
+)
+def test_dead_pool_process_raises_replica_error_naming_the_cause(pools, devices: int, die, named: str) -> None:
+    pool = pools[devices]
     _warm(pool)
     try:
-        results, error, elapsed = _run_guarded(pool, exit_with_code_3)
+        results, error, elapsed = _run_guarded(pool, die)
     finally:
         pool.close()  # reset the session pool even if the runner left it half-open
     assert isinstance(error, ReplicaError), f"{type(error).__name__}: {error}"
-    assert "exit code 3" in str(error)
-    assert elapsed < PROMPT_S, f"the death took {elapsed:.1f} s to surface"
-
-
-def test_killed_pool_process_raises_replica_error_naming_the_signal(pools) -> None:
-    pool = pools[4]
-    _warm(pool)
-    try:
-        results, error, elapsed = _run_guarded(pool, sigkill_self)
-    finally:
-        pool.close()  # reset the session pool even if the runner left it half-open
-    assert isinstance(error, ReplicaError), f"{type(error).__name__}: {error}"
-    assert "SIGKILL" in str(error)
+    assert named in str(error)
     assert elapsed < PROMPT_S, f"the death took {elapsed:.1f} s to surface"
 
 
