@@ -1,55 +1,29 @@
-"""``XlaFullyShardedDataParallel``: the module wrapper, its hooks and its user-facing methods.
+"""``XlaFullyShardedDataParallel``: the module wrapper and its user-facing methods.
 
 One wrapper is one *unit*: it owns the parameters of its module that no inner unit owns, as
-``ShardedParamGroup``s. The outermost unit called first is the *root*; it holds the state that
-one forward/backward shares across units (``_RootState``).
-
-The life of a unit in one training step (see [Note: full parameters and shards]):
-  forward:   gather its groups; run the module; free them unless it keeps them for backward;
-             hook its outputs' gradients.
-  backward:  the hook on its outputs' gradients gathers the groups again; as each full parameter's
-             gradient is accumulated, a group whose gradients are all in is reduce-scattered into
-             its shard's ``.grad`` and freed; a callback queued by the first hook finishes all units
-             after the backward (groups some parameter got no gradient in, frozen groups).
-
-[Note: optimization barriers]
-In one lazy graph a compiler may see the backward all-gather of a unit as the same value as the
-forward one and merge them (keeping every full parameter alive from forward to backward), and
-may move gathers and frees across the neighbouring units' computation. torch_xla's FSDP puts
-optimization barriers at these points (proven on TPUs), and so do we, with the same options:
-  forward:   barrier(shards + inputs) before the gather, barrier(gathered) after it,
-             barrier(shards + outputs) after the free;
-  backward:  the gradients reaching a unit's inputs and outputs, and each reduced gradient, are
-             collected as dependencies; barrier(shards + dependencies) before the backward gather;
-             barrier(full gradient) before the reduce-scatter, barrier(reduced) after it.
-Measured on XLA:CPU (torch_xla 2.9; tests/test_compiled_program.py): the two gathers are never
-merged there, barriers or not, because torch_xla threads a token through the collectives of a
-graph (each collective's operand is ``input + token``), and XLA:CPU removes the barriers right
-after its first CSE pass, before fusion and scheduling. It then issued gathers blocks ahead of
-their use; so on the CPU a gather's dependencies also enter its operand as an exact zero
-(``_xla.order_after``), which the scheduler must respect (tests/test_memory.py).
+``ShardedParamGroup``s (param_group.py). The outermost wrapper is the *root*: when it is built it
+gives every unit inside it one ``RootState`` (hooks.py), which holds what a step shares. What
+happens in forward and backward is in hooks.py; settings are in options.py; state dicts and shard
+metadata in state_dict.py.
 """
 
 from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from enum import Enum, auto
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_map
 
-from . import _xla
-from .checkpointing import in_recompute
+from . import _xla, hooks
 from .linear import patch_linear_modules
-from .options import FsdpOptions, make_options
+from .options import FsdpOptions, ShardingGroup, check_debug_arguments, options_help, wrapper_signature
 from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, shard_param_name
+from .state_dict import WRAPPED_MODULE, full_state_dict, named_units, shard_metadata
 from .wrap import recursive_wrap, resolve_policy
 
-WRAPPED_MODULE = "_fsdp_wrapped_module"
 
 class _ParamRegistry:
     """Every full parameter a unit manages, and every parameter a unit replaced, with its name:
@@ -74,122 +48,71 @@ class _ParamRegistry:
 _MANAGED_PARAMS = _ParamRegistry()
 _WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
-
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD_PRE = auto()
-    BACKWARD_POST = auto()
-
-
-class _RootState:
-    """What the units of one wrapped model share during a forward and backward."""
-
-    def __init__(self, units: List[XlaFullyShardedDataParallel]) -> None:
-        self.units = units
-        self.backward_deps: List[torch.Tensor] = []
-        self.finalize_queued = False
-        self.forward_order: List[XlaFullyShardedDataParallel] = []  # of the last forward
-
-    def record_forward(self, unit: XlaFullyShardedDataParallel) -> None:
-        if unit._is_root:
-            self.forward_order.clear()
-        self.forward_order.append(unit)
-
-    def unit_before(self, unit: XlaFullyShardedDataParallel) -> Optional[XlaFullyShardedDataParallel]:
-        """The unit whose forward started just before ``unit``'s: backward needs it next."""
-        index = next((i for i, u in enumerate(self.forward_order) if u is unit), 0)
-        return self.forward_order[index - 1] if index > 0 else None
+ParamInitFn = Callable[[nn.Module], None]
 
 
 class XlaFullyShardedDataParallel(nn.Module):
     """Shard a module's parameters across XLA replicas (a drop-in for torch_xla's class).
 
-    Arguments keep torch_xla's names and defaults; ``FsdpOptions`` documents each. Build the
-    optimizer after wrapping, on ``wrapped.parameters()`` (the shards), and step it with
-    ``optimizer.step()``: gradients arrive already reduced and sharded.
+    Takes torch_xla's arguments, names and defaults (``FsdpOptions`` documents each option), plus
+    ``auto_wrap_policy`` / ``auto_wrapper_callable`` (wrap submodules as units of their own) and
+    ``param_init_fn`` (materialize parameters built on the meta device). Build the optimizer after
+    wrapping, on ``wrapped.parameters()`` (the shards), and step it with ``optimizer.step()``:
+    gradients arrive already reduced and sharded.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        reshard_after_forward: bool = True,
-        flatten_parameters: bool = False,
-        execute_sharding_on_init: bool = True,
-        optimization_barrier_in_forward: bool = True,
-        optimization_barrier_in_backward: bool = True,
-        sync_on_finalization: bool = False,
-        disable_reshard_on_root: bool = True,
-        compute_dtype: Optional[torch.dtype] = None,
-        buffer_dtype: Optional[torch.dtype] = None,
-        fp32_reduce_scatter: bool = False,
-        sharding_groups: Optional[List[List[int]]] = None,
-        sharding_rank: Optional[int] = None,
-        sharding_world_size: Optional[int] = None,
-        shard_param_on_dim_0: bool = False,
-        pin_layout_in_collective_ops: bool = True,
-        auto_wrap_policy: Optional[Callable[..., bool]] = None,
-        auto_wrapper_callable: Optional[Callable[..., nn.Module]] = None,
-        backward_prefetch: bool = False,
-        _shard_size_multiple: Optional[int] = None,
-        _use_xla_patched_linear: bool = True,
-    ) -> None:
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        arguments = _bind_arguments(module, args, kwargs)
+        check_debug_arguments(arguments)
+        options = FsdpOptions.from_arguments(arguments)
+        policy, wrapper_fn = arguments.get("auto_wrap_policy"), arguments.get("auto_wrapper_callable")
+        param_init_fn: Optional[ParamInitFn] = arguments.get("param_init_fn")
         _check_wrappable(module)
-        # Auto-wrapped units get the same arguments (torch_xla's names), hence the same options.
-        unit_kwargs = dict(
-            reshard_after_forward=reshard_after_forward,
-            flatten_parameters=flatten_parameters,
-            execute_sharding_on_init=execute_sharding_on_init,
-            optimization_barrier_in_forward=optimization_barrier_in_forward,
-            optimization_barrier_in_backward=optimization_barrier_in_backward,
-            sync_on_finalization=sync_on_finalization,
-            disable_reshard_on_root=disable_reshard_on_root,
-            compute_dtype=compute_dtype,
-            buffer_dtype=buffer_dtype,
-            fp32_reduce_scatter=fp32_reduce_scatter,
-            sharding_groups=sharding_groups,
-            sharding_rank=sharding_rank,
-            sharding_world_size=sharding_world_size,
-            shard_param_on_dim_0=shard_param_on_dim_0,
-            pin_layout_in_collective_ops=pin_layout_in_collective_ops,
-            backward_prefetch=backward_prefetch,
-            _shard_size_multiple=_shard_size_multiple,
-            _use_xla_patched_linear=_use_xla_patched_linear,
-        )
-        options = make_options(**unit_kwargs)
         super().__init__()
-        if auto_wrapper_callable is not None and auto_wrap_policy is None:
+        if wrapper_fn is not None and policy is None:
             raise ValueError("auto_wrapper_callable needs an auto_wrap_policy to say which modules to wrap")
-        if auto_wrap_policy is not None:
+        if policy is not None:
             _check_not_wrapped_inside(module)
-            wrapper = auto_wrapper_callable or XlaFullyShardedDataParallel
-            recursive_wrap(module, resolve_policy(auto_wrap_policy, module), wrapper, unit_kwargs)
+            # Auto-wrapped units get the same arguments (torch_xla's names), hence the same options.
+            unit_kwargs = dict(options.as_arguments(), param_init_fn=param_init_fn)
+            recursive_wrap(module, resolve_policy(policy, module), wrapper_fn or XlaFullyShardedDataParallel, unit_kwargs)
+        _materialize_meta(module, param_init_fn)
         self._init_unit(module, options)
 
     # -- construction -----------------------------------------------------------------------
 
     def _init_unit(self, module: nn.Module, options: FsdpOptions) -> None:
         self.options = options
-        self.sharding = options.sharding
-        self.training_state = TrainingState.IDLE
-        self._root_state: Optional[_RootState] = None
-        self._is_root: Optional[bool] = None
-        if options.use_patched_linear:
+        self.sharding = ShardingGroup.for_replica(options)
+        self.training_state = hooks.TrainingState.IDLE
+        self.summoned = False
+        if options.use_xla_patched_linear:
             patch_linear_modules(module)
         self._fsdp_wrapped_module = module
         _WRAPPED_MODULES.add(module)
         device = _xla.device()
         owned = _owned_parameters(module)
         _check_devices(module, owned, device)
-        self._groups = self._build_groups(owned, device)
-        for group in self._groups:
+        self.param_groups = self._build_groups(owned, device)
+        for group in self.param_groups:
             self.register_parameter(group.spec.shard_name, group.shard)
-            for param in group.full_params:
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._make_grad_hook(group))
-        self._buffer_orig_dtypes = _move_buffers(module, device, options.buffer_dtype)
+            hooks.ensure_grad_hooks(self, group)
+        self.buffer_orig_dtypes = _move_buffers(module, device, options.buffer_dtype)
+        hooks.install_forward_hooks(self)
+        self._become_root()
         if options.execute_sharding_on_init:
             _xla.sync()
+
+    def _become_root(self) -> None:
+        """Give every unit inside this one a shared root state; an outer wrapper built later
+        takes over (units are built innermost first)."""
+        state = hooks.RootState([u for _, u in named_units(self)])
+        for unit in state.units:
+            unit.root_state = state
+
+    @property
+    def is_root(self) -> bool:
+        return self.root_state.root is self
 
     def _build_groups(self, owned: _OwnedParams, device: torch.device) -> List[ShardedParamGroup]:
         full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
@@ -237,154 +160,38 @@ class XlaFullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = self._lazy_init()
-        self.training_state = TrainingState.FORWARD
-        if self.options.compute_dtype != torch.float32:
-            args, kwargs = tree_map(self._cast_input, (args, kwargs))
-        inputs = _tensors_in((args, kwargs))
-        barrier = self.options.optimization_barrier_in_forward
-        if torch.is_grad_enabled() and not in_recompute():
-            state.record_forward(self)
-        self._gather(inputs if barrier else None)
-        outputs = self.module(*args, **kwargs)
-        if self._frees_after_forward():
-            self._free(_tensors_in(outputs) if barrier else None)
-        if torch.is_grad_enabled():
-            self._hook_output_grads(outputs, state)
-            if self.options.optimization_barrier_in_backward:
-                self._hook_input_grads(inputs, state)
-        self.training_state = TrainingState.IDLE
-        return outputs
+        # The wrapped module's hooks gather and free (hooks.py): a direct call of the wrapped
+        # module, as generate() makes, gets the same treatment.
+        return self.module(*args, **kwargs)
 
-    def _cast_input(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and torch.is_floating_point(x):
-            return x.to(self.options.compute_dtype)
-        return x
+    @property
+    def params_gathered(self) -> bool:
+        return all(g.gathered for g in self.param_groups)
 
-    def _frees_after_forward(self) -> bool:
-        if not torch.is_grad_enabled():
-            return True  # nothing will need the parameters for backward
-        if in_recompute():
-            return False  # the backward of this recomputation follows at once
-        if self._is_root and self.options.disable_reshard_on_root:
-            return False
-        return self.options.reshard_after_forward
-
-    def _lazy_init(self) -> _RootState:
-        if self._root_state is None:
-            units = [m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)]
-            state = _RootState(units)
-            for unit in units:
-                unit._root_state = state
-                unit._is_root = unit is self
-        return self._root_state
-
-    def _gather(self, deps: Optional[List[torch.Tensor]]) -> None:
+    def gather_params(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
         """Gather every group of this unit; with ``deps``, not before those are computed."""
-        if all(g.gathered for g in self._groups):
+        if self.params_gathered:
             return
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
             deps = _xla.combined_dependencies(deps)  # built once, not once per group
-        for group in self._groups:
-            group.gather(deps)
+        for group in self.param_groups:
+            group.gather(deps, dtype)
 
-    def _free(self, deps: Optional[List[torch.Tensor]]) -> None:
-        for group in self._groups:
+    def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
+        for group in self.param_groups:
             group.free()
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
 
     def _shards(self) -> List[torch.Tensor]:
-        return [g.shard for g in self._groups]
-
-    # -- backward ---------------------------------------------------------------------------
-
-    def _hook_output_grads(self, outputs: Any, state: _RootState) -> None:
-        for t in _tensors_in(outputs):
-            if t.requires_grad:
-                t.register_hook(self._pre_backward_hook)
-
-    def _hook_input_grads(self, inputs: List[torch.Tensor], state: _RootState) -> None:
-        def collect(grad: torch.Tensor) -> torch.Tensor:
-            state.backward_deps.append(grad)
-            _xla.optimization_barrier_([grad])
-            return grad.view(grad.size())  # a view of the barrier's output
-
-        for t in inputs:
-            if t.requires_grad:
-                t.register_hook(collect)
-
-    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
-        state = self._root_state
-        self._queue_finalize(state)
-        barrier = self.options.optimization_barrier_in_backward
-        if barrier:
-            state.backward_deps.append(grad)
-        if not all(g.gathered for g in self._groups):
-            self._gather(state.backward_deps if barrier else None)
-            state.backward_deps.clear()
-        if self.options.backward_prefetch:
-            self._prefetch_next(state, grad if barrier else None)
-        if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
-            self.training_state = TrainingState.BACKWARD_PRE
-        if barrier:
-            _xla.optimization_barrier_([grad])
-            return grad.view(grad.size())
-        return grad
-
-    def _prefetch_next(self, state: _RootState, dep: Optional[torch.Tensor]) -> None:
-        """Gather, now, the unit backward will need after this one (PyTorch's BACKWARD_PRE)."""
-        nxt = state.unit_before(self)
-        if nxt is not None and nxt.training_state is TrainingState.IDLE:
-            nxt._gather([dep] if dep is not None else None)
-
-    def _queue_finalize(self, state: _RootState) -> None:
-        if not state.finalize_queued:
-            state.finalize_queued = True
-            root = next(u for u in state.units if u._is_root)
-            torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
-
-    def _make_grad_hook(self, group: ShardedParamGroup) -> Callable[[torch.Tensor], None]:
-        def on_grad_accumulated(param: torch.Tensor) -> None:
-            self.training_state = TrainingState.BACKWARD_POST
-            if group.note_grad_ready():
-                self._reduce_group(group)
-
-        return on_grad_accumulated
-
-    def _reduce_group(self, group: ShardedParamGroup) -> None:
-        barrier = self.options.optimization_barrier_in_backward
-        grads = [p.grad for p in group.full_params if p.grad is not None]
-        group.free()
-        if barrier:
-            _xla.optimization_barrier_([group.shard] + grads)
-        reduced = group.reduce_grads(barrier)
-        if barrier and reduced is not None:
-            self._root_state.backward_deps.append(reduced)
-
-    @torch.no_grad()
-    def _finalize_backward(self) -> None:
-        """After the whole backward (root only): reduce what is left, free everything, reset."""
-        state = self._root_state
-        for unit in state.units:
-            for group in unit._groups:
-                if group.has_pending_grads:
-                    unit._reduce_group(group)
-                group.free()
-            unit.training_state = TrainingState.IDLE
-        if self.options.optimization_barrier_in_backward:
-            shards = [p for p in self.parameters() if p.grad is not None]
-            _xla.optimization_barrier_(shards + [p.grad for p in shards] + state.backward_deps)
-        state.backward_deps.clear()
-        state.finalize_queued = False
-        if self.options.sync_on_finalization:
-            _xla.sync()
+        return [g.shard for g in self.param_groups]
 
     # -- whole-model operations -------------------------------------------------------------
 
-    def _units(self) -> List[Tuple[str, XlaFullyShardedDataParallel]]:
-        return [(n, m) for n, m in self.named_modules() if isinstance(m, XlaFullyShardedDataParallel)]
+    def _check_root(self, what: str) -> None:
+        if not self.is_root:
+            raise RuntimeError(f"{what} applies to the whole model: call it on the root wrapper (the outermost)")
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -396,8 +203,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         ``torch.nn.utils.clip_grad_norm_`` would compute on the unsharded model). Call it on every
         replica, on the root. Returns the total norm before clipping.
         """
-        if not self._is_root_or_unused():
-            raise RuntimeError("clip_grad_norm_ applies to the whole model: call it on the root wrapper")
+        self._check_root("clip_grad_norm_")
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         norm_type = float(norm_type)
         dev = _xla.device()
@@ -414,90 +220,63 @@ class XlaFullyShardedDataParallel(nn.Module):
             g.mul_(coef.to(g.dtype))
         return total
 
-    def _is_root_or_unused(self) -> bool:
-        return self._is_root is not False
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep full gradients, accumulating, with no reduce-scatter.
+
+        torch_xla's meaning: the first backward after the block reduce-scatters the sum of all
+        accumulated gradients. Costs one full gradient per parameter held between steps; saves
+        the reduce-scatters of every micro-step but the last. Enter on the root.
+        """
+        self._check_root("no_sync")
+        previous = self.root_state.sync_gradients
+        self.root_state.sync_gradients = False
+        try:
+            yield
+        finally:
+            self.root_state.sync_gradients = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """PyTorch FSDP2's switch (Accelerate uses it for gradient accumulation): ``False`` is
+        ``no_sync()`` until switched back. Applies to the whole model (``recurse`` is accepted
+        for FSDP2's signature; a part of a model cannot skip its reduction alone here)."""
+        self._check_root("set_requires_gradient_sync")
+        self.root_state.sync_gradients = bool(requires_gradient_sync)
 
     @contextmanager
-    def summon_full_params(self) -> Iterator[None]:
-        """Gather every unit's full parameters for the duration of the block (no gradients).
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
+        """Gather full parameters for the block, in the shards' dtype, without gradients.
 
-        Inside, the wrapped modules hold their full parameters, e.g. for evaluation or export.
-        Changes made to them are not written back to the shards. Enter on every replica.
+        Inside, the wrapped modules hold their full parameters, e.g. for evaluation, export or
+        editing. With ``writeback`` (PyTorch FSDP's default) what the block changed in them is
+        copied back into the shards when it ends. ``recurse=False``: this unit only. Enter on
+        every replica.
         """
-        units = [u for _, u in self._units()]
+        units = [u for _, u in named_units(self)] if recurse else [self]
         with torch.no_grad():
             for unit in units:
-                unit._gather(None)
+                unit.gather_params(None, dtype=unit.param_groups[0].shard.dtype if unit.param_groups else None)
+                unit.summoned = True
             try:
                 yield
             finally:
                 for unit in units:
-                    unit._free(None)
+                    unit.summoned = False
+                    if writeback:
+                        for group in unit.param_groups:
+                            group.write_back()
+                    unit.free_params(None)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded state dict of the original module, on the CPU, under its own names.
 
         Every replica must call it (it gathers); each gets the same dict.
         """
-        with self.summon_full_params():
-            _xla.sync()  # one program gathers every unit; the copies below only transfer
-            state: Dict[str, torch.Tensor] = {}
-            for prefix, unit in self._units():
-                for group in unit._groups:
-                    for slot in group.slots:
-                        name = _original_name(_join(prefix, WRAPPED_MODULE, slot.name))
-                        state[name] = slot.param.detach().cpu().to(group.shard.dtype)
-        for name, buf in self.named_buffers():
-            orig = self._buffer_dtype_of(name)
-            state[_original_name(name)] = buf.detach().cpu().to(orig or buf.dtype)
-        return state
-
-    def _buffer_dtype_of(self, name: str) -> Optional[torch.dtype]:
-        for prefix, unit in self._units():
-            local = name[len(prefix) + 1 :] if prefix else name
-            if (not prefix or name.startswith(prefix + ".")) and local in unit._buffer_orig_dtypes:
-                return unit._buffer_orig_dtypes[local]
-        return None
+        return full_state_dict(self)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
-        """What it takes to reassemble (or reshard) this replica's ``state_dict()``.
-
-        The same form as torch_xla's, so its ``consolidate_sharded_model_checkpoints`` reads
-        checkpoints of ``{"model": state_dict(), "shard_metadata": get_shard_metadata()}``;
-        ``sharding`` adds each unit's group, for loading on a different number of replicas.
-        """
-        shard_info, flatten_info, sharding = {}, {}, {}
-        for prefix, unit in self._units():
-            shard_info[prefix] = {
-                g.spec.shard_name: {"_orig_size": g.spec.orig_size, "_orig_name": g.spec.orig_name}
-                for g in unit._groups
-            }
-            sharding[prefix] = {
-                "world_size": unit.sharding.world_size,
-                "rank": unit.sharding.rank,
-                "groups": unit.sharding.groups,
-                "shard_param_on_dim_0": unit.options.shard_param_on_dim_0,
-            }
-            for g in unit._groups:
-                if g.spec.flat_names is not None:
-                    flatten_info[_join(prefix, g.spec.orig_name)] = (
-                        list(g.spec.flat_names),
-                        list(g.spec.flat_shapes),
-                        [s.numel() for s in g.spec.flat_shapes],
-                    )
-        buffer_info = {
-            name: {"_orig_dtype": dtype}
-            for name, _ in self.named_buffers()
-            if (dtype := self._buffer_dtype_of(name)) is not None
-        }
-        return {
-            "shard_info": shard_info,
-            "flatten_info": flatten_info,
-            "buffer_info": buffer_info,
-            "world_size": self.sharding.world_size,
-            "rank": self.sharding.rank,
-            "sharding": sharding,
-        }
+        """What it takes to reassemble (or reshard) this replica's ``state_dict()`` (torch_xla's form)."""
+        return shard_metadata(self)
 
     # -- nn.Module plumbing -----------------------------------------------------------------
 
@@ -516,7 +295,57 @@ class XlaFullyShardedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         s = self.sharding
         layout = "flat" if self.options.flatten_parameters else ("dim0" if self.options.shard_param_on_dim_0 else "per-parameter")
-        return f"rank={s.rank}, world_size={s.world_size}, groups={len(self._groups)} ({layout}), compute_dtype={self.options.compute_dtype}"
+        return f"rank={s.rank}, world_size={s.world_size}, groups={len(self.param_groups)} ({layout}), compute_dtype={self.options.compute_dtype}"
+
+
+XlaFullyShardedDataParallel.__init__.__signature__ = wrapper_signature()  # type: ignore[attr-defined]
+
+
+def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """torch_xla's arguments by name, positional ones included; an unknown name is refused."""
+    try:
+        bound = wrapper_signature().bind(None, module, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"XlaFullyShardedDataParallel: {e}. Its options are {', '.join(options_help())}, and "
+            "auto_wrap_policy, auto_wrapper_callable, param_init_fn."
+        ) from None
+    return dict(bound.arguments)
+
+
+def _materialize_meta(module: nn.Module, param_init_fn: Optional[ParamInitFn]) -> None:
+    """Give real tensors to this unit's parameters and buffers that are on the meta device.
+
+    ``param_init_fn(submodule)`` is called for each submodule outside inner units that holds
+    meta tensors itself (as PyTorch FSDP does); without one, the submodule is made on the CPU with
+    ``to_empty`` and its ``reset_parameters()`` (torch_xla's default, per submodule).
+    """
+    for prefix, m in _modules_outside_units(module):
+        if not _has_meta_tensors(m):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(m)
+        elif callable(getattr(m, "reset_parameters", None)):
+            m.to_empty(device="cpu", recurse=False)
+            m.reset_parameters()
+        else:
+            raise ValueError(
+                f"'{prefix or type(module).__name__}' ({type(m).__name__}) has tensors on the meta device "
+                "and no reset_parameters() to initialize them: pass param_init_fn (for instance one "
+                "that loads pretrained weights), or build the module on the CPU"
+            )
+    for prefix, m in _modules_outside_units(module):
+        if _has_meta_tensors(m):
+            name = next(n for n, t in _direct_tensors(m) if t.is_meta)
+            raise ValueError(f"param_init_fn left '{prefix}{name}' on the meta device: it must materialize it")
+
+
+def _direct_tensors(m: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None]
+
+
+def _has_meta_tensors(m: nn.Module) -> bool:
+    return any(t.is_meta for _, t in _direct_tensors(m))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,20 +471,6 @@ def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
                 cast[f"{WRAPPED_MODULE}.{prefix}{name}"] = buf.dtype
             m._buffers[name] = new
     return cast
-
-
-def _tensors_in(tree: Any) -> List[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
-def _original_name(name: str) -> str:
-    """A name under the root wrapper as the unwrapped module would have it."""
-    return name.replace(f"{WRAPPED_MODULE}.", "")
 
 
 def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

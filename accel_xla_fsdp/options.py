@@ -1,15 +1,217 @@
-"""The settings of one FSDP unit, validated once, shared by every unit an auto-wrap creates."""
+"""Every setting of an FSDP unit, defined once: name, default, help, and where else it is spelled.
+
+``FsdpOptions`` is the table. Each field is one of torch_xla's ``XlaFullyShardedDataParallel``
+arguments (same name, same default; the field metadata gives the argument's spelling where
+torch_xla's starts with an underscore) or one of ours, and carries its help text and, where
+Accelerate has a key meaning the same thing, that key. The wrapper's signature
+(``wrapper_signature``), its documentation and the Accelerate plugin's config keys are all derived
+from these fields, so a new option is one new field.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+import inspect
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from . import _xla
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _option(default: Any, help: str, *, accelerate: Optional[str] = None, argument: Optional[str] = None) -> Any:
+    """A field of the table: ``argument`` is the wrapper's spelling when it is not the field name."""
+    return field(default=default, metadata={"help": help, "accelerate": accelerate, "argument": argument})
+
+
+@dataclass(frozen=True)
+class FsdpOptions:
+    """The settings of one FSDP unit (shared by every unit an auto-wrap creates).
+
+    The wrapper takes these fields as its keyword arguments (torch_xla's spelling) and keeps them
+    as ``unit.options``. ``None`` defaults are resolved when the options are made
+    (``compute_dtype`` to float32, ``buffer_dtype`` to the compute dtype, ``shard_size_multiple``
+    to the platform's).
+    """
+
+    reshard_after_forward: bool = _option(
+        True, "Free full parameters after forward and gather them again for backward (ZeRO-3).",
+        accelerate="fsdp_reshard_after_forward",
+    )
+    flatten_parameters: bool = _option(
+        False, "One flat shard per unit (one gather, one reduce-scatter) instead of one per parameter; "
+        "trainable and frozen parameters are flattened separately.",
+        accelerate="xla_fsdp_flatten_parameters",
+    )
+    execute_sharding_on_init: bool = _option(
+        True, "Run the sharding program at once when wrapping, freeing the full parameters.",
+    )
+    optimization_barrier_in_forward: bool = _option(
+        True, "Optimization barriers around each forward gather and free, so the compiler can neither "
+        "merge the backward gather into the forward one nor move gathers across other units.",
+    )
+    optimization_barrier_in_backward: bool = _option(
+        True, "Optimization barriers around each backward gather and reduce-scatter (same reason).",
+    )
+    sync_on_finalization: bool = _option(
+        False, "Cut the graph after backward, before the optimizer step.",
+    )
+    disable_reshard_on_root: bool = _option(
+        True, "The root unit keeps its parameters from forward to backward, which starts right after it.",
+    )
+    compute_dtype: Optional[torch.dtype] = _option(
+        None, "Dtype of gathered parameters and floating inputs (None: float32). Shards, gradients and "
+        "optimizer state stay in the parameters' own dtype.",
+    )
+    buffer_dtype: Optional[torch.dtype] = _option(
+        None, "Dtype of floating buffers (None: the compute dtype).",
+    )
+    fp32_reduce_scatter: bool = _option(
+        False, "Reduce gradients in float32 when computing in a lower precision.",
+    )
+    sharding_groups: Optional[List[List[int]]] = _option(
+        None, "The replicas each parameter is sharded across, as groups of global ranks (None: all).",
+    )
+    sharding_rank: Optional[int] = _option(None, "This replica's position in its sharding group.")
+    sharding_world_size: Optional[int] = _option(None, "The size of each sharding group.")
+    shard_param_on_dim_0: bool = _option(
+        False, "Without flattening, shard each parameter along dim 0, keeping its trailing shape.",
+        accelerate="xla_fsdp_shard_param_on_dim_0",
+    )
+    pin_layout_in_collective_ops: bool = _option(
+        True, "torch_xla's layout pinning of collectives (the XLA:CPU form never pins).",
+    )
+    reduce_scatter_bucket_size_mb: Optional[int] = _option(
+        0, "Reduce-scatter a unit's gradients in buckets of up to this many MiB, one collective per "
+        "bucket (0: one reduce-scatter per parameter group).",
+    )
+    coalesce_all_gather_ops: bool = _option(
+        False, "Gather all of a unit's parameter groups in one collective.",
+    )
+    backward_prefetch: bool = _option(
+        False, "In a unit's pre-backward hook also gather the unit backward needs next (PyTorch's "
+        "BACKWARD_PRE). Off by default: measured on the benchmark's Llama it holds one more block's "
+        "full parameters (+4% bytes at 2 devices, +10% at 4) for a step-time gain that did not hold "
+        "at 4 devices.",
+        accelerate="fsdp_backward_prefetch",
+    )
+    shard_size_multiple: Optional[int] = _option(
+        None, "Pad shards to a multiple of this many elements per replica (None: 128 on a TPU, for "
+        "efficient gathers of 2-D tiles; 1 elsewhere and with shard_param_on_dim_0).",
+        argument="_shard_size_multiple",
+    )
+    use_xla_patched_linear: bool = _option(
+        True, "Give nn.Linear a backward that reads the weight parameter itself, not the forward's "
+        "gathered copy (pytorch/xla#3811).",
+        accelerate="xla_fsdp_use_patched_linear", argument="_use_xla_patched_linear",
+    )
+
+    def __post_init__(self) -> None:
+        compute = _check_dtype("compute_dtype", self.compute_dtype or torch.float32)
+        object.__setattr__(self, "compute_dtype", compute)
+        object.__setattr__(self, "buffer_dtype", _check_dtype("buffer_dtype", self.buffer_dtype or compute))
+        if self.flatten_parameters and self.shard_param_on_dim_0:
+            raise ValueError(
+                "flatten_parameters=True and shard_param_on_dim_0=True contradict each other: a flat "
+                "shard has no dim 0 of its own. Choose one."
+            )
+        multiple = self.shard_size_multiple
+        if multiple is None:
+            multiple = 1 if self.shard_param_on_dim_0 else _xla.default_shard_size_multiple()
+        if multiple < 1:
+            raise ValueError(f"_shard_size_multiple must be at least 1, got {multiple}")
+        object.__setattr__(self, "shard_size_multiple", multiple)
+        if (self.reduce_scatter_bucket_size_mb or 0) < 0:
+            raise ValueError(f"reduce_scatter_bucket_size_mb must be 0 or more, got {self.reduce_scatter_bucket_size_mb}")
+        _check_sharding_arguments(self.sharding_groups, self.sharding_rank, self.sharding_world_size)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp32_reduce_scatter else self.compute_dtype
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int((self.reduce_scatter_bucket_size_mb or 0) * 2**20)
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> FsdpOptions:
+        """The options from wrapper arguments spelled as in the signature (``_shard_size_multiple``)."""
+        return cls(**{f.name: arguments[argument_name(f)] for f in fields(cls) if argument_name(f) in arguments})
+
+    def as_arguments(self) -> Dict[str, Any]:
+        """These options as wrapper keyword arguments (for the units an auto-wrap creates)."""
+        return {argument_name(f): getattr(self, f.name) for f in fields(self)}
+
+
+def argument_name(f: Any) -> str:
+    return f.metadata["argument"] or f.name
+
+
+def _check_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be one of {FLOAT_DTYPES}, got {dtype}")
+    return dtype
+
+
+def _check_sharding_arguments(groups: Optional[List[List[int]]], rank: Optional[int], world_size: Optional[int]) -> None:
+    if groups is None and (rank is not None or world_size is not None):
+        raise ValueError("sharding_rank and sharding_world_size go with sharding_groups; pass all three")
+    if groups is not None and (rank is None or world_size is None):
+        raise ValueError(
+            "sharding_groups needs sharding_rank and sharding_world_size too (this replica's "
+            "position in its group and the group size)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapper's signature, derived from the table
+
+# torch_xla's construction arguments that are not unit settings, in its order.
+CONSTRUCTION_ARGUMENTS: Tuple[Tuple[str, Any], ...] = (
+    ("auto_wrap_policy", None),
+    ("auto_wrapper_callable", None),
+    ("param_init_fn", None),
+)
+# torch_xla's debugging switches: accepted so that scripts run unchanged. The dummy-op ones
+# replace real work by nothing and are refused when turned on; the message ones only print.
+DEBUG_ARGUMENTS: Tuple[Tuple[str, Any], ...] = (
+    ("_debug_dummy_forward_pass", False),
+    ("_debug_msg", "xla_fsdp"),
+    ("_debug_print", False),
+    ("_debug_dummy_all_gather_op", False),
+    ("_debug_dummy_all_reduce_op", False),
+    ("_debug_dummy_reduce_scatter_op", False),
+    ("_debug_dummy_optimization_barrier_op", False),
+)
+
+
+def wrapper_signature() -> inspect.Signature:
+    """``(self, module, <every option>, auto_wrap_policy, auto_wrapper_callable, param_init_fn, ...)``."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", kind), inspect.Parameter("module", kind)]
+    params += [inspect.Parameter(argument_name(f), kind, default=f.default) for f in fields(FsdpOptions)]
+    params += [inspect.Parameter(name, kind, default=d) for name, d in CONSTRUCTION_ARGUMENTS + DEBUG_ARGUMENTS]
+    return inspect.Signature(params)
+
+
+def check_debug_arguments(arguments: Mapping[str, Any]) -> None:
+    for name, default in DEBUG_ARGUMENTS:
+        if name.startswith("_debug_dummy") and arguments.get(name, default):
+            raise ValueError(
+                f"{name}=True replaces real work by a dummy op (a torch_xla debugging aid), which "
+                "this FSDP does not offer; leave it False"
+            )
+
+
+def options_help() -> Dict[str, str]:
+    """Each option's argument name and help text, in signature order (for docs and error messages)."""
+    return {argument_name(f): f.metadata["help"] for f in fields(FsdpOptions)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding groups
 
 
 @dataclass(frozen=True)
@@ -23,117 +225,14 @@ class ShardingGroup:
     world_size: int
     groups: Optional[List[List[int]]] = None
 
-
-@dataclass(frozen=True)
-class FsdpOptions:
-    """Everything ``XlaFullyShardedDataParallel`` is told, with torch_xla's names and defaults.
-
-    reshard_after_forward: free full parameters after forward, gather again for backward (ZeRO-3).
-    flatten_parameters: one flat shard per unit (one gather, one reduce-scatter) instead of one per
-        parameter; trainable and frozen parameters are flattened separately.
-    shard_param_on_dim_0: without flattening, shard each parameter along dim 0, keeping its shape.
-    optimization_barrier_in_forward / _in_backward: stop the compiler from merging the backward
-        gather into the forward one (which would keep every full parameter alive) or from moving
-        a unit's gather and free across the neighbouring units' computation.
-    disable_reshard_on_root: the root unit keeps its parameters from forward to backward, which
-        starts right after it.
-    compute_dtype / buffer_dtype: dtype of the gathered parameters (and of float inputs) and of
-        floating buffers; the shards and optimizer state stay in the parameters' own dtype.
-    fp32_reduce_scatter: reduce gradients in fp32 when computing in a lower precision.
-    sharding: the replicas to shard across (torch_xla's sharding_groups / _rank / _world_size).
-    pin_layout_in_collective_ops: torch_xla's layout pinning; the XLA:CPU form never pins.
-    execute_sharding_on_init: run the sharding program at once to free the full parameters.
-    sync_on_finalization: cut the graph after backward, before the optimizer step.
-    use_patched_linear: give nn.Linear a backward that reads the weight parameter itself.
-    shard_size_multiple: pad shards to a multiple of this many elements per replica (128 on a
-        TPU, for efficient gathers of 2-D tiles; 1 elsewhere).
-    backward_prefetch: in a unit's pre-backward hook, also gather the unit whose forward ran
-        just before (the next one backward needs), as PyTorch's BACKWARD_PRE prefetch does.
-        Off by default: on the benchmark's Llama it holds one more block's full parameters
-        (+4% bytes at 2 devices, +10% at 4) for a step-time gain that did not hold at 4 devices.
-    """
-
-    reshard_after_forward: bool = True
-    flatten_parameters: bool = False
-    shard_param_on_dim_0: bool = False
-    optimization_barrier_in_forward: bool = True
-    optimization_barrier_in_backward: bool = True
-    disable_reshard_on_root: bool = True
-    compute_dtype: torch.dtype = torch.float32
-    buffer_dtype: torch.dtype = torch.float32
-    fp32_reduce_scatter: bool = False
-    sharding: Optional[ShardingGroup] = None
-    pin_layout_in_collective_ops: bool = True
-    execute_sharding_on_init: bool = True
-    sync_on_finalization: bool = False
-    use_patched_linear: bool = True
-    shard_size_multiple: int = 1
-    backward_prefetch: bool = False
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        return torch.float32 if self.fp32_reduce_scatter else self.compute_dtype
-
-
-def make_options(
-    *,
-    compute_dtype: Optional[torch.dtype],
-    buffer_dtype: Optional[torch.dtype],
-    sharding_groups: Optional[List[List[int]]],
-    sharding_rank: Optional[int],
-    sharding_world_size: Optional[int],
-    flatten_parameters: bool,
-    shard_param_on_dim_0: bool,
-    _shard_size_multiple: Optional[int],
-    _use_xla_patched_linear: bool,
-    **flags: bool,
-) -> FsdpOptions:
-    """Validate torch_xla-style arguments and resolve their defaults into ``FsdpOptions``."""
-    compute = _check_dtype("compute_dtype", compute_dtype or torch.float32)
-    buffer = _check_dtype("buffer_dtype", buffer_dtype or compute)
-    if flatten_parameters and shard_param_on_dim_0:
-        raise ValueError(
-            "flatten_parameters=True and shard_param_on_dim_0=True contradict each other: a flat "
-            "shard has no dim 0 of its own. Choose one."
-        )
-    multiple = _shard_size_multiple
-    if multiple is None:
-        multiple = 1 if shard_param_on_dim_0 else _xla.default_shard_size_multiple()
-    if multiple < 1:
-        raise ValueError(f"_shard_size_multiple must be at least 1, got {multiple}")
-    return FsdpOptions(
-        compute_dtype=compute,
-        buffer_dtype=buffer,
-        sharding=resolve_sharding(sharding_groups, sharding_rank, sharding_world_size),
-        shard_size_multiple=multiple,
-        use_patched_linear=_use_xla_patched_linear,
-        flatten_parameters=flatten_parameters,
-        shard_param_on_dim_0=shard_param_on_dim_0,
-        **flags,
-    )
-
-
-def _check_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must be one of {FLOAT_DTYPES}, got {dtype}")
-    return dtype
-
-
-def resolve_sharding(
-    groups: Optional[List[List[int]]], rank: Optional[int], world_size: Optional[int]
-) -> ShardingGroup:
-    """This replica's sharding group: every replica by default, else checked ``sharding_groups``."""
-    if groups is None:
-        if rank is not None or world_size is not None:
-            raise ValueError("sharding_rank and sharding_world_size go with sharding_groups; pass all three")
-        return ShardingGroup(rank=_xla.global_rank(), world_size=_xla.world_size())
-    if rank is None or world_size is None:
-        raise ValueError(
-            "sharding_groups needs sharding_rank and sharding_world_size too (this replica's "
-            "position in its group and the group size)"
-        )
-    check_sharding_groups(groups, rank, world_size, _xla.global_rank(), _xla.world_size())
-    return ShardingGroup(rank=rank, world_size=world_size, groups=[list(g) for g in groups])
+    @classmethod
+    def for_replica(cls, options: FsdpOptions) -> ShardingGroup:
+        """This replica's group: every replica by default, else the checked ``sharding_groups``."""
+        if options.sharding_groups is None:
+            return cls(rank=_xla.global_rank(), world_size=_xla.world_size())
+        groups, rank, world_size = options.sharding_groups, options.sharding_rank, options.sharding_world_size
+        check_sharding_groups(groups, rank, world_size, _xla.global_rank(), _xla.world_size())
+        return cls(rank=rank, world_size=world_size, groups=[list(g) for g in groups])
 
 
 def check_sharding_groups(

@@ -20,7 +20,7 @@ Two layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -87,6 +87,9 @@ class ShardedParamGroup:
         self.sharding = sharding
         self.gathered = False
         self._grads_seen = 0
+        self._requires_grad = requires_grad
+        self.grad_hooked: Set[int] = set()  # ids of the full parameters whose gradient is hooked
+        self._rank_index: Optional[torch.Tensor] = None  # made on first write-back
         self._placeholder = torch.zeros(1, dtype=options.compute_dtype, device=device)
         with torch.no_grad():
             shard = self._local_shard(self._pad(self._join(full_values)))
@@ -122,14 +125,15 @@ class ShardedParamGroup:
     # -- gather and free --------------------------------------------------------------------
 
     @torch.no_grad()
-    def gather(self, deps: Optional[List[torch.Tensor]]) -> None:
+    def gather(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
         """Point every full parameter at its slice of the all-gathered shards (idempotent).
 
-        With ``deps``, the gather waits for them (see [Note: optimization barriers]).
+        With ``deps``, the gather waits for them (see [Note: optimization barriers]). ``dtype``
+        defaults to the compute dtype; ``summon_full_params`` gathers in the shard's own dtype.
         """
         if self.gathered:
             return
-        shard = self.shard.detach().to(self.options.compute_dtype)
+        shard = self.shard.detach().to(dtype or self.options.compute_dtype)
         if deps is not None:
             shard = _xla.order_after(shard, deps)
         full = self._all_gather(shard)
@@ -162,12 +166,57 @@ class ShardedParamGroup:
     def full_params(self) -> List[nn.Parameter]:
         return [slot.param for slot in self.slots]
 
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy this replica's part of the (possibly edited) full parameters into the shard.
+
+        The slice is taken at a rank held in a device tensor, not baked into the graph as a
+        constant: every replica must trace the same program (see the platform note).
+        """
+        full = self._pad(self._join([slot.param.detach() for slot in self.slots]))
+        world = self.sharding.world_size
+        rows = full.size(0) // world
+        if self._rank_index is None:
+            self._rank_index = torch.tensor([self.sharding.rank], device=self.shard.device)
+        local = full.reshape(world, rows, *full.shape[1:]).index_select(0, self._rank_index)[0]
+        self.shard.copy_(local.to(self.shard.dtype))
+
+    def follow_requires_grad(self) -> None:
+        """Adopt a freeze or unfreeze made after wrapping, on the shard or on the full parameters.
+
+        The optimizer sees the shard, the modules the full parameters: whichever of the two the
+        user changed, both must agree, or gradients would be computed for a frozen shard (and
+        the optimizer would update it) or never computed for a trainable one.
+        """
+        want = self.shard.requires_grad
+        if want == self._requires_grad:
+            flags = {slot.param.requires_grad for slot in self.slots}
+            if flags == {want}:
+                return
+            if len(flags) > 1:
+                names = ", ".join(f"'{s.name}'={s.param.requires_grad}" for s in self.slots)
+                raise ValueError(
+                    f"the parameters of one flat shard ({self.spec.orig_name}) disagree on requires_grad "
+                    f"({names}): they are sharded together and must be frozen or unfrozen together. "
+                    "Freeze the whole unit (unit.requires_grad_(False)), or set requires_grad before "
+                    "wrapping, when flatten_parameters keeps frozen and trainable parameters apart."
+                )
+            want = flags.pop()
+            self.shard.requires_grad_(want)
+        for slot in self.slots:
+            slot.param.requires_grad_(want)
+        self._requires_grad = want
+
     # -- gradients --------------------------------------------------------------------------
 
     def note_grad_ready(self) -> bool:
         """Count one full parameter's finished gradient; True once the whole group has one."""
         self._grads_seen += 1
         return self._grads_seen == len(self.slots)
+
+    def forget_grads_seen(self) -> None:
+        """End of a backward that keeps its full gradients (no_sync): count afresh next time."""
+        self._grads_seen = 0
 
     @property
     def has_pending_grads(self) -> bool:

@@ -1,0 +1,105 @@
+"""State dicts of a wrapped model: the full one, and the metadata that puts shards back together.
+
+Names: under the root wrapper every unit's module sits at ``..._fsdp_wrapped_module``; the full
+state dict uses the names the unwrapped model has (``original_name``). The local state dict is
+``nn.Module.state_dict()`` of the root: this replica's shards and the buffers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _xla
+
+if TYPE_CHECKING:
+    from .fsdp import XlaFullyShardedDataParallel as Unit
+
+WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+
+def join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def original_name(name: str) -> str:
+    """A name under the root wrapper as the unwrapped module would have it."""
+    return name.replace(f"{WRAPPED_MODULE}.", "")
+
+
+def named_units(root: Unit) -> List[Tuple[str, Unit]]:
+    """Every unit under ``root`` (itself first) with its name under the root."""
+    from .fsdp import XlaFullyShardedDataParallel  # the wrapper imports this module
+
+    return [(n, m) for n, m in root.named_modules() if isinstance(m, XlaFullyShardedDataParallel)]
+
+
+def full_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
+    """The unsharded state dict of the original module, on the CPU, under its own names.
+
+    Every replica must call it (it gathers); each gets the same dict. Parameters come back in
+    their shards' dtype (float32 master weights under bf16 compute), buffers in their original one.
+    """
+    with root.summon_full_params(writeback=False):
+        _xla.sync()  # one program gathers every unit; the copies below only transfer
+        state: Dict[str, torch.Tensor] = {}
+        for prefix, unit in named_units(root):
+            for group in unit.param_groups:
+                for slot in group.slots:
+                    name = original_name(join(prefix, WRAPPED_MODULE, slot.name))
+                    state[name] = slot.param.detach().cpu()
+    for name, buf in root.named_buffers():
+        orig = buffer_original_dtype(root, name)
+        state[original_name(name)] = buf.detach().cpu().to(orig or buf.dtype)
+    return state
+
+
+def buffer_original_dtype(root: Unit, name: str) -> Optional[torch.dtype]:
+    """The dtype a buffer had before wrapping cast it to ``buffer_dtype`` (None if not cast)."""
+    for prefix, unit in named_units(root):
+        local = name[len(prefix) + 1 :] if prefix else name
+        if (not prefix or name.startswith(prefix + ".")) and local in unit.buffer_orig_dtypes:
+            return unit.buffer_orig_dtypes[local]
+    return None
+
+
+def shard_metadata(root: Unit) -> Dict[str, Any]:
+    """What it takes to reassemble (or reshard) this replica's ``state_dict()``.
+
+    The same form as torch_xla's, so its ``consolidate_sharded_model_checkpoints`` reads
+    checkpoints of ``{"model": state_dict(), "shard_metadata": get_shard_metadata()}``;
+    ``sharding`` adds each unit's group, for loading on a different number of replicas.
+    """
+    shard_info, flatten_info, sharding = {}, {}, {}
+    for prefix, unit in named_units(root):
+        shard_info[prefix] = {
+            g.spec.shard_name: {"_orig_size": g.spec.orig_size, "_orig_name": g.spec.orig_name}
+            for g in unit.param_groups
+        }
+        sharding[prefix] = {
+            "world_size": unit.sharding.world_size,
+            "rank": unit.sharding.rank,
+            "groups": unit.sharding.groups,
+            "shard_param_on_dim_0": unit.options.shard_param_on_dim_0,
+        }
+        for g in unit.param_groups:
+            if g.spec.flat_names is not None:
+                flatten_info[join(prefix, g.spec.orig_name)] = (
+                    list(g.spec.flat_names),
+                    list(g.spec.flat_shapes),
+                    [s.numel() for s in g.spec.flat_shapes],
+                )
+    buffer_info = {
+        name: {"_orig_dtype": dtype}
+        for name, _ in root.named_buffers()
+        if (dtype := buffer_original_dtype(root, name)) is not None
+    }
+    return {
+        "shard_info": shard_info,
+        "flatten_info": flatten_info,
+        "buffer_info": buffer_info,
+        "world_size": root.sharding.world_size,
+        "rank": root.sharding.rank,
+        "sharding": sharding,
+    }
