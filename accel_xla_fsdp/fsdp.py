@@ -162,6 +162,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The wrapped module's hooks gather and free (hooks.py): a direct call of the wrapped
         # module, as generate() makes, gets the same treatment.
+        if torch.is_inference_mode_enabled():
+            # torch_xla 2.9 cannot run nn.Linear under inference_mode ("Cannot set
+            # version_counter for inference tensor", unwrapped models too): run as no_grad.
+            with torch.inference_mode(False), torch.no_grad():
+                return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     @property

@@ -46,6 +46,9 @@ class PatchedLinearFunction(torch.autograd.Function):
 
 
 def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        # No backward to patch; and an autograd.Function cannot run under inference_mode.
+        return torch._C._nn.linear(input, self.weight, self.bias)
     return PatchedLinearFunction.apply(input, self.weight, self.bias)
 
 
