@@ -258,19 +258,24 @@ class XlaFullyShardedDataParallel(nn.Module):
         every replica.
         """
         units = [u for _, u in named_units(self)] if recurse else [self]
-        with torch.no_grad():
-            for unit in units:
-                unit.gather_params(None, dtype=unit.param_groups[0].shard.dtype if unit.param_groups else None)
-                unit.summoned = True
-            try:
-                yield
-            finally:
-                for unit in units:
-                    unit.summoned = False
-                    if writeback:
-                        for group in unit.param_groups:
-                            group.write_back()
-                    unit.free_params(None)
+        with _holding_full_params(units, in_shard_dtype=True, writeback=writeback):
+            yield
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate()``, with every unit's parameters gathered once for it.
+
+        Generation reads tokens back to the host as it goes (stopping criteria), which runs
+        programs outside any sync. Gathered per token, each of those programs would hold
+        collectives, which XLA:CPU replicas reaching them out of step abort on (measured: 4
+        devices, the 15-s rendezvous limit); gathered once, in one program cut before the token
+        loop, they hold none, and the loop does not gather 2 x units times per token. Call it on
+        every replica.
+        """
+        self._check_root("generate")
+        units = [u for _, u in named_units(self)]
+        with _holding_full_params(units, in_shard_dtype=False, writeback=False):
+            _xla.sync()
+            return self.module.generate(*args, **kwargs)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded state dict of the original module, on the CPU, under its own names.
@@ -304,6 +309,26 @@ class XlaFullyShardedDataParallel(nn.Module):
 
 
 XlaFullyShardedDataParallel.__init__.__signature__ = wrapper_signature()  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _holding_full_params(units: List[XlaFullyShardedDataParallel], in_shard_dtype: bool, writeback: bool) -> Iterator[None]:
+    """``units`` gathered (no gradients) until the block ends: forwards inside do not free them
+    (``summoned``), nor does a graph cut. Then written back into the shards if asked, and freed."""
+    with torch.no_grad():
+        for unit in units:
+            dtype = unit.param_groups[0].shard.dtype if in_shard_dtype and unit.param_groups else None
+            unit.gather_params(None, dtype=dtype)
+            unit.summoned = True
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.summoned = False
+                if writeback:
+                    for group in unit.param_groups:
+                        group.write_back()
+                unit.free_params(None)
 
 
 def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:

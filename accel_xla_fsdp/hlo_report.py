@@ -48,6 +48,7 @@ BUFFER_ASSIGNMENT = "cpu_after_optimizations-buffer-assignment.txt"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+) = (?P<shape>.*?) (?P<opcode>[a-z][a-z0-9-]*)\(", re.M)
 _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,<=]*)\]")
 _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
+_ENTRY_RESULT = re.compile(r"^ENTRY [^\n]*-> (.*) \{$", re.M)
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\n((?:\s{4,}\S+: \d+ bytes.*\n)*)", re.M)
 _PEAK_VALUE = re.compile(r"^\s*(?P<name>[^\s{]+)\{[^}]*\}: (?P<bytes>\d+) bytes", re.M)
 _MODULE_ID = re.compile(r"^module_(\d+)\.")
@@ -88,6 +89,7 @@ class ProgramReport:
     reduce_scatters_traced: Collectives
     total_bytes: int  # "Total bytes used": parameters, outputs and the peak of temporaries
     peak_gathered_bytes: int  # all-gather results live at the peak of the schedule
+    output_bytes: int  # the program's results: every value still referenced when it was cut
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,8 @@ def parse_dump(directory: Path, module: Optional[str] = None) -> ProgramReport:
     """The report of ``module`` (a file prefix such as ``module_0001.SyncTensorsGraph.643``), by
     default of the program compiled last into ``directory``."""
     module = module or max(modules_in(directory), key=lambda m: int(_MODULE_ID.match(m)[1]))
-    optimized = _instructions((directory / f"{module}.{OPTIMIZED}").read_text())
+    optimized_text = (directory / f"{module}.{OPTIMIZED}").read_text()
+    optimized = _instructions(optimized_text)
     traced = _instructions((directory / f"{module}.{TRACED}").read_text())
     assignment = (directory / f"{module}.{BUFFER_ASSIGNMENT}").read_text()
     gathered = {i.name for i in optimized if _COLLECTIVES.get(i.opcode) == "all-gather"}
@@ -141,6 +144,7 @@ def parse_dump(directory: Path, module: Optional[str] = None) -> ProgramReport:
         reduce_scatters_traced=_collectives(traced, "reduce-scatter"),
         total_bytes=_total_bytes(assignment),
         peak_gathered_bytes=sum(size for name, size in _peak_values(assignment) if name in gathered),
+        output_bytes=shape_bytes(_ENTRY_RESULT.search(optimized_text)[1]),
     )
 
 

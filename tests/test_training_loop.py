@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 import torch.nn as nn
 
+from accel_xla_fsdp import DevicePool
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla
+from accel_xla_fsdp.hlo_report import modules_in, parse_dump
 from models import (
-    Case, NestedLinear, build, compute_loss, global_batch, local_slice, make_llama,
+    LLAMA_CONFIG, Case, NestedLinear, build, compute_loss, global_batch, local_slice, make_llama,
     make_optimizer, train_reference, wrap,
 )
 
@@ -400,3 +403,35 @@ def test_meta_modules_default_to_reset_parameters_else_a_clear_error(pools) -> N
     for r in pools[2].run(meta_defaults, 2):
         assert r["linear"] == "['xla']"
         assert "has tensors on the meta device" in r["norm"] and "pass param_init_fn" in r["norm"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the compiled program holds after a forward without backward
+
+
+def forward_without_backward(rank: int, world: int, dump_dir: str) -> Dict[str, Any]:
+    model = wrap("llama", build("llama"), rank, world, LAYOUTS["flat"])
+    last = rank == world - 1
+    _xla.sync()
+    before = modules_in(Path(dump_dir)) if last else set()
+    x, _ = local_batch("llama", 0, 0, rank, world)
+    value = logits(model, x).float().sum().detach()  # gradients enabled; no backward follows
+    _xla.sync()
+    after = modules_in(Path(dump_dir)) if last else set()
+    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"value": value, "programs": sorted(after - before), "shard_bytes": shard_bytes, "ids_bytes": x.numel() * 8}
+
+
+def test_a_forward_without_backward_leaves_no_full_parameters_in_the_program(tmp_path) -> None:
+    """The program cut after it outputs only the scalar: the root, which keeps its gathered
+    parameters for backward after a forward with gradients, freed them before the cut."""
+    flags = f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    with DevicePool(2, env={"XLA_FLAGS": flags}) as pool:
+        results = pool.run(forward_without_backward, 2, str(tmp_path))
+    # transformers' mask code may run small programs of its own (a comparison read on the host).
+    (report,) = [r for r in (parse_dump(tmp_path, m) for m in results[-1]["programs"]) if r.all_gathers.count]
+    assert report.all_gathers.count == 1 + LLAMA_CONFIG["num_hidden_layers"]  # every unit gathered
+    # Outputs: the f32 scalar, the input ids and the shards (the forward's in-place barriers
+    # give them new values); a gathered unit would add a whole block's or the root's parameters.
+    r = results[-1]
+    assert report.output_bytes == 4 + r["ids_bytes"] + r["shard_bytes"]
