@@ -1,6 +1,7 @@
 """Fully Sharded Data Parallel on XLA devices, for Hugging Face Accelerate."""
 
 from ._xla import sync
+from .checkpoint import CheckpointError, ShardedCheckpoint, load_sharded, save_sharded
 from .checkpointing import checkpoint_module
 from .fsdp import XlaFullyShardedDataParallel
 from .options import FsdpOptions
@@ -18,6 +19,10 @@ from .wrap import (
 __all__ = [
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
+    "save_sharded",
+    "load_sharded",
+    "ShardedCheckpoint",
+    "CheckpointError",
     "sync",
     "FsdpOptions",
     "run_on_devices",

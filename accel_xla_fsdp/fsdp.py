@@ -117,12 +117,18 @@ class XlaFullyShardedDataParallel(nn.Module):
     def _build_groups(self, owned: _OwnedParams, device: torch.device) -> List[ShardedParamGroup]:
         full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
         named = [(full[id(p)], p, owners[0][2]) for p, owners in owned]
+        aliases = {id(full[id(p)]): tuple(o[2] for o in owners[1:]) for p, owners in owned}
         if not self.options.flatten_parameters:
-            return [self._make_group([entry], None, device) for entry in named]
-        trainable = [e for e in named if e[1].requires_grad]
-        frozen = [e for e in named if not e[1].requires_grad]
-        parts = [part for part in (trainable, frozen) if part]
-        return [self._make_group(part, i, device) for i, part in enumerate(parts)]
+            groups = [self._make_group([entry], None, device) for entry in named]
+        else:
+            trainable = [e for e in named if e[1].requires_grad]
+            frozen = [e for e in named if not e[1].requires_grad]
+            parts = [part for part in (trainable, frozen) if part]
+            groups = [self._make_group(part, i, device) for i, part in enumerate(parts)]
+        for group in groups:
+            for slot in group.slots:
+                slot.aliases = aliases[id(slot.param)]
+        return groups
 
     def _make_group(
         self, entries: List[Tuple[nn.Parameter, nn.Parameter, str]], flat_index: Optional[int], device: torch.device

@@ -40,6 +40,7 @@ class ParamSlot:
     name: str  # relative to the unit's wrapped module, e.g. "mlp.fc1.weight"
     shape: torch.Size
     offset: int  # into the unpadded flat tensor (flat layout)
+    aliases: Tuple[str, ...] = ()  # other names of the same (tied) parameter, relative likewise
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,6 @@
+"""Sharded checkpoints in safetensors: save, load (any world size and layout), consolidate."""
+
+from .format import CheckpointError, ShardedCheckpoint
+from .sharded import load_sharded, save_sharded
+
+__all__ = ["CheckpointError", "ShardedCheckpoint", "load_sharded", "save_sharded"]

@@ -1,0 +1,230 @@
+"""Sharded checkpoints: exact resume, resharding N->M across layouts, atomic saves, bad input.
+
+Each run trains a few steps with AdamW, saves with ``save_sharded``, and trains on; another run
+(any world size, any layout) loads the checkpoint into a freshly built model and optimizer and
+trains the same steps. Same world size and layout: the same losses and parameters bit for bit.
+Otherwise: equal to float32 round-off (reductions sum in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from accel_xla_fsdp import CheckpointError, ReplicaError, ShardedCheckpoint, _xla, load_sharded, save_sharded
+from accel_xla_fsdp.checkpoint import sharded
+from models import build, compute_loss, global_batch, wrap
+
+LAYOUTS = {"flat": {"flatten_parameters": True}, "per-parameter": {}, "dim0": {"shard_param_on_dim_0": True}}
+BEFORE, AFTER = 2, 2
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+GLOBAL_ROWS = 4  # the same global batch on 1, 2 and 4 devices, so runs on any world size compare
+
+
+def local_rows(name: str, step: int, rank: int, world: int) -> List[torch.Tensor]:
+    rows = GLOBAL_ROWS // world
+    return [t[rank * rows : (rank + 1) * rows] for t in global_batch(name, step, 0, GLOBAL_ROWS // 2)]
+
+
+def train(model, optimizer, name: str, rank: int, world: int, steps: range) -> List[torch.Tensor]:
+    losses = []
+    for step in steps:
+        x, y = (t.to(_xla.device()) for t in local_rows(name, step, rank, world))
+        loss = compute_loss(name, model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _xla.sync()
+        losses.append(loss.detach())
+    return losses
+
+
+def kwargs_for(layout: str, bf16: bool) -> Dict[str, Any]:
+    return dict(LAYOUTS[layout], **({"compute_dtype": torch.bfloat16} if bf16 else {}))
+
+
+def save_then_train(rank: int, world: int, name: str, layout: str, directory: str, bf16: bool) -> Dict[str, Any]:
+    model = wrap(name, build(name), rank, world, kwargs_for(layout, bf16))
+    optimizer = adamw(model)
+    train(model, optimizer, name, rank, world, range(BEFORE))
+    save_sharded(model, optimizer, directory)
+    losses = train(model, optimizer, name, rank, world, range(BEFORE, BEFORE + AFTER))
+    return {"losses": torch.stack(losses), "state": model.full_state_dict()}
+
+
+def load_then_train(rank: int, world: int, name: str, layout: str, directory: str, bf16: bool) -> Dict[str, Any]:
+    model = wrap(name, build(name), rank, world, kwargs_for(layout, bf16))
+    optimizer = adamw(model)
+    load_sharded(model, optimizer, directory)
+    losses = train(model, optimizer, name, rank, world, range(BEFORE, BEFORE + AFTER))
+    return {"losses": torch.stack(losses), "state": model.full_state_dict()}
+
+
+def mean_losses(results: List[Dict[str, Any]]) -> torch.Tensor:
+    return torch.stack([r["losses"] for r in results]).mean(0)
+
+
+@pytest.mark.parametrize("name,layout,bf16", [
+    ("llama", "flat", False), ("llama", "per-parameter", False), ("tied_transformer", "dim0", False),
+    ("frozen_odd", "flat", False), ("llama", "flat", True),
+], ids=lambda v: str(v))
+def test_resume_on_the_same_ranks_is_bit_exact(pool, tmp_path, name: str, layout: str, bf16: bool) -> None:
+    world = pool.num_devices
+    unbroken = pool.run(save_then_train, world, name, layout, str(tmp_path), bf16)
+    resumed = pool.run(load_then_train, world, name, layout, str(tmp_path), bf16)
+    for a, b in zip(unbroken, resumed):
+        assert torch.equal(a["losses"], b["losses"])
+        assert sorted(a["state"]) == sorted(b["state"])
+        for k in a["state"]:
+            assert torch.equal(a["state"][k], b["state"][k]), k
+
+
+RESHARD = [(4, "flat", 2, "flat"), (2, "per-parameter", 4, "per-parameter"), (4, "flat", 1, "flat"),
+           (4, "per-parameter", 2, "flat"), (2, "dim0", 4, "flat"), (4, "flat", 2, "dim0")]
+
+
+@pytest.mark.parametrize("saved_on,saved_layout,loaded_on,loaded_layout", RESHARD, ids=lambda v: str(v))
+def test_resharding_to_another_world_size_and_layout(pools, tmp_path, saved_on, saved_layout, loaded_on, loaded_layout) -> None:
+    unbroken = pools[saved_on].run(save_then_train, saved_on, "llama", saved_layout, str(tmp_path), False)
+    resumed = pools[loaded_on].run(load_then_train, loaded_on, "llama", loaded_layout, str(tmp_path), False)
+    torch.testing.assert_close(mean_losses(resumed), mean_losses(unbroken), rtol=1e-5, atol=1e-6)
+    for k, v in unbroken[0]["state"].items():
+        torch.testing.assert_close(resumed[0]["state"][k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The files themselves
+
+
+def test_rank_files_are_plain_safetensors_with_their_layout(pools, tmp_path) -> None:
+    pools[2].run(save_then_train, 2, "tied_transformer", "flat", str(tmp_path), False)
+    record = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert record["world_size"] == 2 and len(record["files"]) == 2
+    with safe_open(str(tmp_path / record["files"][1]), framework="pt") as f:
+        meta = json.loads(f.metadata()["accel_xla_fsdp"])
+        names = set(f.keys())
+    assert meta["rank"] == 1 and meta["world_size"] == 2
+    params = {p["name"]: p for g in meta["groups"] for p in g["params"]}
+    assert params["embed_tokens.weight"]["aliases"] == ["output_proj.weight"]  # tied, stored once
+    assert "buffer/long_buffer" in names and any(n.startswith("optim/") and n.endswith("/exp_avg") for n in names)
+    ckpt = ShardedCheckpoint(tmp_path)
+    full = build("tied_transformer").state_dict()
+    assert ckpt.read_param("encoder.layers.0.linear1.weight").shape == (full["encoder.layers.0.linear1.weight"].numel(),)
+
+
+def save_twice_dying(rank: int, world: int, directory: str, where: str) -> None:
+    """Save once, train a step, then die (SIGKILL) in the middle of the second save."""
+    model = wrap("llama", build("llama"), rank, world, LAYOUTS["flat"])
+    optimizer = adamw(model)
+    train(model, optimizer, "llama", rank, world, range(1))
+    save_sharded(model, optimizer, directory)
+    train(model, optimizer, "llama", rank, world, range(1, 2))
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if where == "writing":
+        real = sharded.save_file
+        sharded.save_file = lambda t, path, metadata: (real(t, path, metadata=metadata), Path(path).write_bytes(Path(path).read_bytes()[:100]), die())
+    else:  # every rank file of the new save written, the record not yet replaced
+        sharded._barrier = die
+    save_sharded(model, optimizer, directory)
+
+
+def state_after_load(rank: int, world: int, directory: str) -> Dict[str, torch.Tensor]:
+    model = wrap("llama", build("llama"), rank, world, LAYOUTS["flat"])
+    optimizer = adamw(model)
+    load_sharded(model, optimizer, directory)
+    return model.full_state_dict()
+
+
+def state_after_one_step(rank: int, world: int) -> Dict[str, torch.Tensor]:
+    model = wrap("llama", build("llama"), rank, world, LAYOUTS["flat"])
+    train(model, adamw(model), "llama", rank, world, range(1))
+    return model.full_state_dict()
+
+
+@pytest.mark.parametrize("where", ["writing", "before_commit"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(pools, tmp_path, where: str) -> None:
+    with pytest.raises(ReplicaError, match="SIGKILL"):
+        pools[2].run(save_twice_dying, 2, str(tmp_path), where)
+    loaded = pools[2].run(state_after_load, 2, str(tmp_path))[0]
+    want = pools[2].run(state_after_one_step, 2)[0]
+    for k, v in want.items():
+        assert torch.equal(loaded[k], v), k
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["save_id"] == "save-000000"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.fixture(scope="module")
+def saved(pools, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("ckpt")
+    pools[2].run(save_then_train, 2, "nested_linear", "flat", str(directory), False)
+    return directory
+
+
+def copy_of(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(saved, target)
+    return target
+
+
+def record_of(directory: Path) -> Dict[str, Any]:
+    return json.loads((directory / "checkpoint.json").read_text())
+
+
+def test_missing_rank_file_is_named(saved, tmp_path) -> None:
+    d = copy_of(saved, tmp_path)
+    (d / record_of(d)["files"][1]).unlink()
+    with pytest.raises(CheckpointError, match="rank 1's file of save save-000000 is missing"):
+        ShardedCheckpoint(d)
+
+
+def test_truncated_rank_file_is_named(saved, tmp_path) -> None:
+    d = copy_of(saved, tmp_path)
+    path = d / record_of(d)["files"][0]
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match=f"{path.name}: not a readable safetensors file"):
+        ShardedCheckpoint(d)
+
+
+def test_files_of_another_save_are_refused(saved, tmp_path) -> None:
+    d = copy_of(saved, tmp_path)
+    record = record_of(d)
+    record["save_id"] = "save-000007"
+    (d / "checkpoint.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="files of different saves are mixed"):
+        ShardedCheckpoint(d)
+
+
+def test_no_record_means_no_checkpoint(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint.json"):
+        ShardedCheckpoint(tmp_path)
+
+
+def load_other_model(rank: int, world: int, directory: str) -> str:
+    model = wrap("llama", build("llama"), rank, world, LAYOUTS["flat"])
+    try:
+        load_sharded(model, None, directory)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_checkpoint_of_another_model_is_refused(pools, saved) -> None:
+    for message in pools[2].run(load_other_model, 2, str(saved)):
+        assert "a checkpoint of another model" in message and "missing ['lm_head.weight'" in message
