@@ -17,8 +17,9 @@ no working all-reduce at all: we build it from an all-gather and a local reducti
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch_xla
@@ -33,8 +34,12 @@ Groups = Optional[List[List[int]]]
 
 
 def platform() -> str:
-    """The PJRT device type of this process: ``"CPU"``, ``"TPU"``, ..."""
-    return xr.device_type()
+    """The PJRT device type of this process: ``"CPU"``, ``"TPU"``, ...
+
+    Read from ``PJRT_DEVICE`` (importing torch_xla sets it when it is unset), so asking does not
+    start the runtime: a launcher can ask before it starts the device processes.
+    """
+    return (xr.device_type() or "").upper()
 
 
 def on_cpu() -> bool:
@@ -104,11 +109,47 @@ def run_on_native_devices(fn: Callable[[], object]) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Graph boundaries
+#
+# Every sync (``xm.mark_step``, ``torch_xla.sync``) goes through ``_XLAC._xla_step_marker``.
+# Importing this module puts ``_step_marker`` in its place, once per process, whoever launches
+# the replicas (``run_on_devices``, ``xmp.spawn``, ``pjrt.run_multiprocess``, ``accelerate
+# launch``). It runs the ``before_graph_cut`` callbacks, and with several replica threads on
+# XLA:CPU it makes them take turns. So ``accel_xla_fsdp`` must be imported at module level:
+# torch_xla's launcher imports the replica function's module in its worker process before it
+# starts the replica threads. A replica that synced before the import would miss a meeting at a
+# boundary and leave the others waiting there.
 
 
 def sync() -> None:
     """Cut the traced graph here and run it (``xm.mark_step``)."""
     torch_xla.sync()
+
+
+DEFAULT_SYNC_TIMEOUT_S = 600.0
+
+_graph_cut_callbacks: Tuple[Callable[[], None], ...] = ()
+_callbacks_lock = threading.Lock()
+_sync_timeout_s = DEFAULT_SYNC_TIMEOUT_S
+# Measurements only (scripts/first_step.py): ACCEL_XLA_FSDP_TURNS=0 lets replicas launch at will.
+_turns_enabled = os.environ.get("ACCEL_XLA_FSDP_TURNS", "1") != "0"
+
+
+def before_graph_cut(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` before every graph cut (every ``xm.mark_step`` / ``torch_xla.sync``).
+
+    On every platform, in the thread that syncs, before the replicas meet at the boundary; an
+    exception from it propagates out of the sync and nothing is launched. It runs for every sync
+    of every replica, so it must be cheap. Callbacks run in the order they were registered.
+    """
+    global _graph_cut_callbacks
+    with _callbacks_lock:
+        _graph_cut_callbacks = (*_graph_cut_callbacks, callback)
+
+
+def set_sync_timeout(seconds: float) -> None:
+    """How long a replica thread on XLA:CPU waits at a graph boundary for the others, then raises."""
+    global _sync_timeout_s
+    _sync_timeout_s = seconds
 
 
 # Channel ids are numbered per device, not per thread: a replica's backward runs on autograd's
@@ -131,18 +172,18 @@ def _reset_channel_ids() -> None:
 class _Turns:
     """Replicas meet, then take turns in rank order, at every graph boundary."""
 
-    def __init__(self, num_replicas: int, timeout_s: float) -> None:
-        self.num_replicas, self.timeout_s = num_replicas, timeout_s
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
         self.barrier = threading.Barrier(num_replicas)
         self.turn = 0
         self.cond = threading.Condition()
 
     def wait_for(self, rank: int) -> None:
         try:
-            self.barrier.wait(self.timeout_s)
+            self.barrier.wait(_sync_timeout_s)
         except threading.BrokenBarrierError:
             raise RuntimeError(
-                f"replica {rank} waited {self.timeout_s:.0f} s at a graph boundary (xm.mark_step / "
+                f"replica {rank} waited {_sync_timeout_s:.0f} s at a graph boundary (xm.mark_step / "
                 "torch_xla.sync) for the other replicas. On XLA:CPU devices every replica must call "
                 "sync the same number of times."
             ) from None
@@ -155,8 +196,38 @@ class _Turns:
             self.cond.notify_all()
 
 
-def take_turns_at_sync(num_replicas: int, timeout_s: float, check: Callable[[], None]) -> None:
-    """On XLA:CPU, let replicas cut and launch each graph one at a time, in rank order.
+_turns: Optional[_Turns] = None
+_turns_lock = threading.Lock()
+
+
+def _process_turns(num_replicas: int) -> _Turns:
+    global _turns
+    with _turns_lock:
+        if _turns is None:
+            _turns = _Turns(num_replicas)
+        return _turns
+
+
+def _replica_threads() -> int:
+    """How many replica threads of this process take turns at this thread's syncs (0: none).
+
+    Turns are for XLA:CPU replicas that are threads of one process: a launcher (ours or
+    torch_xla's) sets the replication over every device of the process and runs one replica per
+    device, each in a thread it started. The process's main thread is never one of them, and
+    under SPMD one thread drives every device. The replication count is read, not
+    ``xr.world_size()``, which keeps its first answer for the whole process.
+    """
+    if not _turns_enabled or xr.is_spmd() or threading.current_thread() is threading.main_thread():
+        return 0
+    if torch_xla._XLAC._xla_get_replication_devices_count() < 2:
+        return 0
+    return xr.addressable_device_count()
+
+
+def _launch_in_turn(
+    turns: _Turns, device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True
+) -> None:
+    """Meet the other replicas, then launch this graph in rank order.
 
     XLA:CPU aborts the process when a replica waits at a collective too long for the others (a
     fixed rendezvous timeout: a warning after 5 s, the abort 10 s later). So the replicas first
@@ -167,26 +238,47 @@ def take_turns_at_sync(num_replicas: int, timeout_s: float, check: Callable[[], 
     taken in turns the first replica compiles while the others wait, and they then find it in the
     cache and launch within moments of each other, compiling it once instead of N times.
 
-    Every sync (``xm.mark_step``, ``torch_xla.sync``) goes through ``_xla_step_marker``, so that is
-    where the turns are taken. It launches the graph without waiting for it (the first replica's
-    graph waits at its first collective for the others); a sync asked to wait would deadlock with
-    the replicas behind it, so it is launched without waiting too. It is also where a graph ends,
-    so the channel-id numbering restarts there.
+    The step marker launches the graph without waiting for it (the first replica's graph waits
+    at its first collective for the others); a sync asked to ``wait`` would deadlock with the
+    replicas behind it, so it is launched without waiting too.
     """
-    original = torch_xla._XLAC._xla_step_marker
-    turns = _Turns(num_replicas, timeout_s)
+    del wait
+    rank = global_rank()
+    turns.wait_for(rank)
+    try:
+        _original_step_marker(device, list(devices), wait=False, reset_scope=reset_scope)
+    finally:
+        turns.done()
 
-    def step_marker(device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True):
-        check()
-        rank = global_rank()
-        turns.wait_for(rank)
-        try:
-            original(device, list(devices), wait=False, reset_scope=reset_scope)
-        finally:
-            _reset_channel_ids()
-            turns.done()
 
-    torch_xla._XLAC._xla_step_marker = step_marker
+def _step_marker(*args: Any, **kwargs: Any) -> None:
+    """torch_xla's step marker, after the ``before_graph_cut`` callbacks; on XLA:CPU, in turns
+    when the process runs several replica threads, and restarting the channel-id numbering."""
+    for callback in _graph_cut_callbacks:
+        callback()
+    if not on_cpu():
+        _original_step_marker(*args, **kwargs)
+        return
+    replicas = _replica_threads()
+    try:
+        if replicas > 1:
+            _launch_in_turn(_process_turns(replicas), *args, **kwargs)
+        else:
+            _original_step_marker(*args, **kwargs)
+    finally:
+        _reset_channel_ids()  # the graph ends here
+
+
+def _install_step_marker() -> Callable[..., None]:
+    """Put ``_step_marker`` in torch_xla's place; return torch_xla's (also if this module is reloaded)."""
+    current = torch_xla._XLAC._xla_step_marker
+    original = getattr(current, "torch_xla_step_marker", current)
+    _step_marker.torch_xla_step_marker = original
+    torch_xla._XLAC._xla_step_marker = _step_marker
+    return original
+
+
+_original_step_marker = _install_step_marker()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class _Call:
 
     def barrier_tensors(self) -> List[torch.Tensor]:
         own = list(self.module.parameters()) + list(self.module.buffers())
-        return [t for t in own if t.device.type == "xla"]
+        return [t for t in own if _xla.is_xla_device(t.device)]
 
 
 def _split_outputs(outputs: Any) -> Tuple[List[Tuple[Any, bool]], Any, List[torch.Tensor]]:
@@ -107,7 +107,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.call = call
-        ctx.device = next((t.device for t in tensors if t.device.type == "xla"), None)
+        ctx.device = next((t.device for t in tensors if _xla.is_xla_device(t.device)), None)
         ctx.rng = _xla.rng_state(ctx.device) if ctx.device is not None else None
         ctx.save_for_backward(*tensors)
         with torch.no_grad():
@@ -121,7 +121,7 @@ class _CheckpointFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         _xla.optimization_barrier_(
-            [t for t in inputs + list(grads) + ctx.call.barrier_tensors() if t.device.type == "xla"]
+            [t for t in inputs + list(grads) + ctx.call.barrier_tensors() if _xla.is_xla_device(t.device)]
         )
         with torch.enable_grad(), _recomputing(), _same_rng(ctx):
             outputs = ctx.call(tuple(inputs))

@@ -10,7 +10,8 @@ that this module turns into errors:
   traceback and the whole process ends, and the caller gets the error re-raised within seconds;
 * XLA:CPU aborts when replicas reach a collective more than 10 s apart, e.g. while one is still
   compiling; the replicas take turns at every graph boundary, so one compiles and the others
-  reuse its program (``_xla.take_turns_at_sync``).
+  reuse its program. ``_xla`` does that in every process that imports it, whoever starts the
+  replica threads; the runner only sets how long a replica waits there for the others.
 
 A ``DevicePool`` keeps the device process alive between calls, so compiled programs are shared
 (the test suite runs every test of one device count in one pool); ``run_on_devices`` is the one-shot
@@ -36,8 +37,6 @@ from torch.utils._pytree import tree_map
 from . import _xla
 
 ReplicaFn = Callable[..., Any]
-
-DEFAULT_SYNC_TIMEOUT_S = 600.0
 
 
 class ReplicaError(RuntimeError):
@@ -66,7 +65,7 @@ def run_on_devices(
     the device process (for example ``XLA_FLAGS``). On a TPU, ``num_devices`` must be ``None``:
     every local device takes part, and results are those of torch_xla's launcher.
     """
-    if not _on_cpu_platform():
+    if not _xla.on_cpu():
         if num_devices is not None:
             raise ValueError("num_devices applies to XLA:CPU devices only; on a TPU every device runs")
         results = _xla.run_on_native_devices(_ReplicaCall(fn, tuple(args)))
@@ -108,11 +107,7 @@ def _refuse_sync_inside_seeded() -> None:
         )
 
 
-def _on_cpu_platform() -> bool:
-    pjrt_device = os.environ.get("PJRT_DEVICE")
-    if pjrt_device is not None:
-        return pjrt_device.upper() == "CPU"
-    return _xla.platform() == "CPU"
+_xla.before_graph_cut(_refuse_sync_inside_seeded)
 
 
 class DevicePool:
@@ -125,7 +120,7 @@ class DevicePool:
         self,
         num_devices: int,
         env: Optional[Dict[str, str]] = None,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        sync_timeout_s: float = _xla.DEFAULT_SYNC_TIMEOUT_S,
     ) -> None:
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
@@ -260,7 +255,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
     devices = _xla.local_devices()
     if len(devices) != num_devices:
         raise RuntimeError(f"asked for {num_devices} XLA:CPU devices, the runtime has {len(devices)}")
-    _xla.take_turns_at_sync(num_devices, sync_timeout_s, _refuse_sync_inside_seeded)
+    _xla.set_sync_timeout(sync_timeout_s)
     send_lock = threading.Lock()
     while True:
         request = pickle.loads(conn.recv_bytes())
