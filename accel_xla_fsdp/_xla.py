@@ -401,24 +401,3 @@ def all_reduce(tensor: torch.Tensor, op: str, groups: Groups, pin_layout: bool) 
     return xm.all_reduce(reduce_type, tensor, groups=groups, pin_layout=pin_layout)
 
 
-
-# TEMP(merge): replaced by the launch branch's graph-boundary mechanism.
-_before_cut: List[Callable[[], None]] = []
-
-
-def before_graph_cut(callback: Callable[[], None]) -> None:
-    _before_cut.append(callback)
-
-
-def _install_before_cut() -> None:
-    original = torch_xla._XLAC._xla_step_marker
-
-    def step_marker(*args, **kwargs):
-        for cb in _before_cut:
-            cb()
-        return original(*args, **kwargs)
-
-    torch_xla._XLAC._xla_step_marker = step_marker
-
-
-_install_before_cut()

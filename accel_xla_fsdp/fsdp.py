@@ -456,7 +456,7 @@ def _check_devices(module: nn.Module, owned: _OwnedParams, device: torch.device)
             "module to one device (the CPU, or this replica's XLA device) before wrapping"
         )
     for dev, name in seen.items():
-        if dev.startswith("xla") and torch.device(dev) != device:
+        if _xla.is_xla_device(torch.device(dev)) and torch.device(dev) != device:
             raise ValueError(
                 f"'{name}' is on {dev}, but this replica's device is {device}: build the model on "
                 "the CPU, or move it to this replica's device, before wrapping"
