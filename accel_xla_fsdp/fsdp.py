@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -67,6 +67,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         options = FsdpOptions.from_arguments(arguments)
         policy, wrapper_fn = arguments.get("auto_wrap_policy"), arguments.get("auto_wrapper_callable")
         param_init_fn: Optional[ParamInitFn] = arguments.get("param_init_fn")
+        source = param_init_fn if isinstance(param_init_fn, ShardSource) else None
+        if source is not None:
+            source.remember_names(module)  # the outermost wrapper sees the model's full names
         _check_wrappable(module)
         super().__init__()
         if wrapper_fn is not None and policy is None:
@@ -76,12 +79,15 @@ class XlaFullyShardedDataParallel(nn.Module):
             # Auto-wrapped units get the same arguments (torch_xla's names), hence the same options.
             unit_kwargs = dict(options.as_arguments(), param_init_fn=param_init_fn)
             recursive_wrap(module, resolve_policy(policy, module), wrapper_fn or XlaFullyShardedDataParallel, unit_kwargs)
-        _materialize_meta(module, param_init_fn)
-        self._init_unit(module, options)
+        if source is None:
+            _materialize_meta(module, param_init_fn)
+        else:
+            _check_no_meta_buffers(module)
+        self._init_unit(module, options, source)
 
     # -- construction -----------------------------------------------------------------------
 
-    def _init_unit(self, module: nn.Module, options: FsdpOptions) -> None:
+    def _init_unit(self, module: nn.Module, options: FsdpOptions, source: Optional[ShardSource]) -> None:
         self.options = options
         self.sharding = ShardingGroup.for_replica(options)
         self.training_state = hooks.TrainingState.IDLE
@@ -93,7 +99,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         device = _xla.device()
         owned = _owned_parameters(module)
         _check_devices(module, owned, device)
-        self.param_groups = self._build_groups(owned, device)
+        self.param_groups = self._build_groups(owned, device, source)
         for group in self.param_groups:
             self.register_parameter(group.spec.shard_name, group.shard)
             hooks.ensure_grad_hooks(self, group)
@@ -114,7 +120,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     def is_root(self) -> bool:
         return self.root_state.root is self
 
-    def _build_groups(self, owned: _OwnedParams, device: torch.device) -> List[ShardedParamGroup]:
+    def _build_groups(self, owned: _OwnedParams, device: torch.device, source: Optional[ShardSource]) -> List[ShardedParamGroup]:
         full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
         named = [(full[id(p)], p, owners[0][2]) for p, owners in owned]
         aliases = {id(full[id(p)]): tuple(o[2] for o in owners[1:]) for p, owners in owned}
@@ -128,6 +134,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         for group in groups:
             for slot in group.slots:
                 slot.aliases = aliases[id(slot.param)]
+        if source is not None:
+            orig_of = {id(full): orig for full, orig, _ in named}
+            with torch.no_grad():
+                for group in groups:
+                    values = group.local_values(lambda slot, a, b: source.read(orig_of[id(slot.param)], a, b))
+                    group.shard.copy_(values.to(device))
         return groups
 
     def _make_group(
@@ -349,6 +361,18 @@ def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, An
     return dict(bound.arguments)
 
 
+@runtime_checkable
+class ShardSource(Protocol):
+    """A ``param_init_fn`` that fills each replica's shards itself, reading only their slices
+    (``accel_xla_fsdp.pretrained_weights``), instead of materializing whole modules."""
+
+    def remember_names(self, model: nn.Module) -> None:
+        """Called by the outermost wrapper before any wrapping, with the model as built."""
+
+    def read(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``param`` (as built, possibly on meta) flattened."""
+
+
 def _materialize_meta(module: nn.Module, param_init_fn: Optional[ParamInitFn]) -> None:
     """Give real tensors to this unit's parameters and buffers that are on the meta device.
 
@@ -374,6 +398,16 @@ def _materialize_meta(module: nn.Module, param_init_fn: Optional[ParamInitFn]) -
         if _has_meta_tensors(m):
             name = next(n for n, t in _direct_tensors(m) if t.is_meta)
             raise ValueError(f"param_init_fn left '{prefix}{name}' on the meta device: it must materialize it")
+
+
+def _check_no_meta_buffers(module: nn.Module) -> None:
+    for prefix, m in _modules_outside_units(module):
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_meta:
+                raise ValueError(
+                    f"buffer '{prefix}{name}' is on the meta device, and pretrained weights hold no buffers: "
+                    "build the model with accelerate.init_empty_weights(), which keeps buffers real"
+                )
 
 
 def _direct_tensors(m: nn.Module) -> List[Tuple[str, torch.Tensor]]:
@@ -448,7 +482,8 @@ def _check_devices(module: nn.Module, owned: _OwnedParams, device: torch.device)
     buffers = [(f"{prefix}{n}", b) for prefix, m in _modules_outside_units(module) for n, b in m._buffers.items() if b is not None]
     tensors = [(owners[0][2], p) for p, owners in owned] + buffers
     for name, t in tensors:
-        seen.setdefault(str(t.device), name)
+        if not t.is_meta:  # filled by a param_init_fn that reads shards (ShardSource)
+            seen.setdefault(str(t.device), name)
     if len(seen) > 1:
         listing = ", ".join(f"'{n}' on {d}" for d, n in seen.items())
         raise ValueError(

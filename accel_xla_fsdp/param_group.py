@@ -20,7 +20,7 @@ Two layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -94,6 +94,8 @@ class ShardedParamGroup:
         self._placeholder = torch.zeros(1, dtype=options.compute_dtype, device=device)
         with torch.no_grad():
             shard = self._local_shard(self._pad(self._join(full_values)))
+            if shard.is_meta:  # parameters built on the meta device: the unit fills the shard
+                shard = torch.zeros(shard.shape, dtype=shard.dtype)
             self.shard = nn.Parameter(shard.to(device), requires_grad=requires_grad)
         for slot in slots:
             _xla.replace_data(slot.param, self._placeholder)
@@ -166,6 +168,22 @@ class ShardedParamGroup:
     @property
     def full_params(self) -> List[nn.Parameter]:
         return [slot.param for slot in self.slots]
+
+    def local_values(self, read: Callable[[ParamSlot, int, int], torch.Tensor]) -> torch.Tensor:
+        """This replica's shard built on the CPU from ``read(slot, start, stop)``, which gives
+        elements ``[start, stop)`` of a slot's parameter flattened; padding is zero.
+
+        The shard is elements ``[rank * n, (rank + 1) * n)`` of the group's parameters
+        flattened end to end, then padding: see [Note: the virtual full tensor].
+        """
+        size = self.shard.numel()
+        lo, hi = self.sharding.rank * size, (self.sharding.rank + 1) * size
+        out = torch.zeros(size, dtype=self.shard.dtype)
+        for slot in self.slots:
+            start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < stop:
+                out[start - lo : stop - lo] = read(slot, start - slot.offset, stop - slot.offset)
+        return out.view(self.shard.shape)
 
     @torch.no_grad()
     def write_back(self) -> None:

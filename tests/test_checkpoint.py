@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -18,9 +19,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from accel_xla_fsdp import CheckpointError, ReplicaError, ShardedCheckpoint, _xla, load_sharded, save_sharded
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from accel_xla_fsdp import (
+    CheckpointError, ReplicaError, ShardedCheckpoint, _xla, load_sharded, pretrained_weights, save_sharded, seeded,
+    transformer_block_policy,
+)
+from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp.checkpoint import sharded
-from models import build, compute_loss, global_batch, wrap
+from models import LLAMA_CONFIG, build, compute_loss, global_batch, wrap
 
 LAYOUTS = {"flat": {"flatten_parameters": True}, "per-parameter": {}, "dim0": {"shard_param_on_dim_0": True}}
 BEFORE, AFTER = 2, 2
@@ -228,3 +235,52 @@ def load_other_model(rank: int, world: int, directory: str) -> str:
 def test_a_checkpoint_of_another_model_is_refused(pools, saved) -> None:
     for message in pools[2].run(load_other_model, 2, str(saved)):
         assert "a checkpoint of another model" in message and "missing ['lm_head.weight'" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretrained weights straight into shards
+
+_BUILT: Dict[int, threading.Barrier] = {}
+
+
+def pretrained_into_shards(rank: int, world: int, folder: str, layout: str, tied: bool) -> Dict[str, Any]:
+    from accelerate import init_empty_weights
+
+    # init_empty_weights patches nn.Module for every thread of the process: every replica builds
+    # its empty model before any of them wraps (wrapping registers parameters too).
+    with seeded(0), init_empty_weights():
+        model = LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager"))
+    _BUILT.setdefault(world, threading.Barrier(world)).wait()
+    on_meta = all(p.is_meta for p in model.parameters())
+    try:
+        wrapped = FSDP(model, auto_wrap_policy=transformer_block_policy(), param_init_fn=pretrained_weights(folder), **LAYOUTS[layout])
+    except CheckpointError as e:
+        return {"error": str(e)}
+    return {"on_meta": on_meta, "state": wrapped.full_state_dict()}
+
+
+def save_pretrained_llama(folder: Path, tied: bool, **kw: Any) -> Dict[str, torch.Tensor]:
+    with seeded(3):
+        model = LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager"))
+    model.save_pretrained(folder, safe_serialization=True, **kw)
+    return {n: p.detach() for n, p in model.named_parameters()}  # a tied weight once, as full_state_dict has it
+
+
+@pytest.mark.parametrize("layout,tied,max_shard_size", [("flat", False, None), ("per-parameter", True, "20KB"), ("dim0", False, "20KB")])
+def test_pretrained_weights_load_straight_into_shards(pool, tmp_path, layout, tied, max_shard_size) -> None:
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    want = save_pretrained_llama(tmp_path, tied, **kw)
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(max_shard_size)
+    for r in pool.run(pretrained_into_shards, pool.num_devices, str(tmp_path), layout, tied):
+        assert r.get("on_meta"), r.get("error")
+        for name, value in want.items():
+            assert torch.equal(r["state"][name], value), name
+
+
+def test_pretrained_weights_of_another_shape_are_refused(pools, tmp_path) -> None:
+    with seeded(3):
+        other = LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, intermediate_size=48), attn_implementation="eager"))
+    other.save_pretrained(tmp_path, safe_serialization=True)
+    for r in pools[2].run(pretrained_into_shards, 2, str(tmp_path), "flat", False):
+        assert "has shape [48, 32], the model's parameter [64, 32]" in r["error"]
+        assert "model.safetensors" in r["error"]

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from .. import _xla
 from ..fsdp import XlaFullyShardedDataParallel
-from ..param_group import ShardedParamGroup
+from ..param_group import ParamSlot, ShardedParamGroup
 from ..state_dict import WRAPPED_MODULE, buffer_original_dtype, join, named_units, original_name
 from .format import (
     BUFFER, FORMAT, META_KEY, MODEL, OPTIM, RECORD, CheckpointError, GroupEntry, ParamEntry, RankMeta,
@@ -88,11 +88,8 @@ def _groups_of(model: XlaFullyShardedDataParallel) -> Iterator[Tuple[str, str, S
 
 
 def _param_entries(prefix: str, group: ShardedParamGroup) -> Tuple[ParamEntry, ...]:
-    def full(name: str) -> str:
-        return original_name(join(prefix, WRAPPED_MODULE, name))
-
     return tuple(
-        ParamEntry(full(s.name), tuple(s.shape), s.offset if group.spec.flat_names else 0, tuple(full(a) for a in s.aliases))
+        ParamEntry(full_name(prefix, s.name), tuple(s.shape), s.offset, tuple(full_name(prefix, a) for a in s.aliases))
         for s in group.slots
     )
 
@@ -215,28 +212,15 @@ def _check_same_model(ckpt: ShardedCheckpoint, groups: List[Tuple[str, str, Shar
         )
 
 
-def local_range(group: ShardedParamGroup) -> Tuple[int, int]:
-    """This replica's elements of the group's virtual full tensor."""
-    size = group.shard.numel()
-    return group.sharding.rank * size, (group.sharding.rank + 1) * size
-
-
-def build_local_shard(group: ShardedParamGroup, prefix: str, read: Any) -> torch.Tensor:
-    """This replica's shard of ``group`` (flattened, CPU) from ``read(entry, start, stop)``,
-    which returns elements ``[start, stop)`` of parameter ``entry`` flattened; zeros elsewhere."""
-    lo, hi = local_range(group)
-    out = torch.zeros(hi - lo, dtype=group.shard.dtype)
-    for entry in _param_entries(prefix, group):
-        start, stop = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
-        if start < stop:
-            out[start - lo : stop - lo] = read(entry, start - entry.offset, stop - entry.offset)
-    return out
-
-
 def fill_group(group: ShardedParamGroup, prefix: str, source: ParamSource) -> None:
     """Copy this replica's part of every parameter of ``group`` from ``source`` into its shard."""
-    shard = build_local_shard(group, prefix, lambda e, a, b: source.read_param(e.name, a, b))
-    group.shard.copy_(shard.view(group.shard.shape).to(group.shard.device))
+    values = group.local_values(lambda slot, a, b: source.read_param(full_name(prefix, slot.name), a, b))
+    group.shard.copy_(values.to(group.shard.device))
+
+
+def full_name(prefix: str, name: str) -> str:
+    """A slot's name in the unwrapped model's state dict."""
+    return original_name(join(prefix, WRAPPED_MODULE, name))
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, groups: List[Tuple[str, str, ShardedParamGroup]], ckpt: ShardedCheckpoint) -> None:
@@ -268,7 +252,7 @@ def _state_for(group: ShardedParamGroup, prefix: str, ckpt: ShardedCheckpoint, s
             continue
         key = name.rsplit("/", 1)[1]
         if list(ckpt.file(0).get_slice(name).get_shape()) == _saved_shard_shape(ckpt, source_group):
-            state[key] = build_local_shard(group, prefix, _optim_reader(ckpt, key)).view(group.shard.shape).to(group.shard.device)
+            state[key] = group.local_values(_optim_reader(ckpt, prefix, key)).to(group.shard.device)
         else:
             state[key] = ckpt.file(0).get_tensor(name).clone()  # the file's memory map is shared
     for name, value in saved["scalars"].items():
@@ -281,9 +265,9 @@ def _saved_shard_shape(ckpt: ShardedCheckpoint, group: GroupEntry) -> List[int]:
     return list(ckpt.file(0).get_slice(f"{MODEL}/{group.key}").get_shape())
 
 
-def _optim_reader(ckpt: ShardedCheckpoint, state: str) -> Any:
-    def read(entry: ParamEntry, start: int, stop: int) -> torch.Tensor:
-        group, saved = ckpt.params[entry.name]
+def _optim_reader(ckpt: ShardedCheckpoint, prefix: str, state: str) -> Callable[[ParamSlot, int, int], torch.Tensor]:
+    def read(slot: ParamSlot, start: int, stop: int) -> torch.Tensor:
+        group, saved = ckpt.params[full_name(prefix, slot.name)]
         return ckpt.read_range(group, saved.offset + start, saved.offset + stop, prefix=OPTIM, state=state)
 
     return read

@@ -1,0 +1,92 @@
+"""Pretrained weights straight into shards: each replica reads only its slices of the files.
+
+    with accelerate.init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)        # parameters on the meta device
+    model = XlaFullyShardedDataParallel(
+        model, auto_wrap_policy=transformer_block_policy(),
+        param_init_fn=accel_xla_fsdp.pretrained_weights("path/to/hf-folder"),
+    )
+
+The usual way, ``from_pretrained`` on every replica, holds the whole model in host memory once
+per replica before wrapping shards it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from .format import CheckpointError, read_flat_slice
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class PretrainedWeights:
+    """A ``param_init_fn`` (a ``ShardSource``) reading a Hugging Face safetensors folder: one
+    ``model.safetensors``, or shards listed by ``model.safetensors.index.json``."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._file_of = _tensor_files(self.folder)
+        self._aliases: Dict[int, List[str]] = {}
+        self._open: Dict[Path, Any] = {}
+
+    def remember_names(self, model: nn.Module) -> None:
+        """Every name of every parameter (tied ones have several), by object.
+
+        A ``transformers`` model built under ``init_empty_weights()`` is not tied yet
+        (``from_pretrained`` ties after loading): tie it as ``from_pretrained`` would, so that a
+        tied head is the embedding, stored once in the files."""
+        if callable(getattr(model, "tie_weights", None)):
+            model.tie_weights()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            self._aliases.setdefault(id(param), []).append(name)
+
+    def read(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        name = self._stored_name(param)
+        f = self._file(self._file_of[name])
+        shape = tuple(f.get_slice(name).get_shape())
+        if shape != tuple(param.shape):
+            raise CheckpointError(
+                f"{self._file_of[name]}: tensor {name!r} has shape {list(shape)}, the model's parameter "
+                f"{list(param.shape)}: these weights are of another model (or another config)"
+            )
+        return read_flat_slice(f, name, start, stop, str(self._file_of[name])).to(param.dtype)
+
+    def _stored_name(self, param: nn.Parameter) -> str:
+        """The parameter's name in the files; a tied parameter may be stored under any of its names."""
+        names = self._aliases.get(id(param))
+        if names is None:
+            raise CheckpointError("a parameter the model was wrapped with was not in it when wrapping began")
+        for name in names:
+            if name in self._file_of:
+                return name
+        raise CheckpointError(f"{self.folder}: no tensor {' or '.join(map(repr, names))} in these weights")
+
+    def _file(self, path: Path) -> Any:
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+
+def pretrained_weights(folder: str | Path) -> PretrainedWeights:
+    """``param_init_fn`` that fills shards from a Hugging Face safetensors folder (see module doc)."""
+    return PretrainedWeights(folder)
+
+
+def _tensor_files(folder: Path) -> Dict[str, Path]:
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{folder / INDEX}: not a valid safetensors index ({e})") from None
+        return {name: folder / file for name, file in weight_map.items()}
+    if (folder / SINGLE).is_file():
+        with safe_open(str(folder / SINGLE), framework="pt") as f:
+            return {name: folder / SINGLE for name in f.keys()}
+    raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX}; save the model with save_pretrained(safe_serialization=True)")
