@@ -94,8 +94,8 @@ class ShardedParamGroup:
         self._placeholder = torch.zeros(1, dtype=options.compute_dtype, device=device)
         with torch.no_grad():
             shard = self._local_shard(self._pad(self._join(full_values)))
-            if shard.is_meta:  # parameters built on the meta device: the unit fills the shard
-                shard = torch.zeros(shard.shape, dtype=shard.dtype)
+            if shard.is_meta:  # built on the meta device: the unit sets the shard's data
+                shard = torch.zeros(shard.shape, dtype=shard.dtype, device=device)
             self.shard = nn.Parameter(shard.to(device), requires_grad=requires_grad)
         for slot in slots:
             _xla.replace_data(slot.param, self._placeholder)

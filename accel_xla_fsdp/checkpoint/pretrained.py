@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,6 @@ class PretrainedWeights:
         self.folder = Path(folder)
         self._file_of = _tensor_files(self.folder)
         self._aliases: Dict[int, List[str]] = {}
-        self._open: Dict[Path, Any] = {}
 
     def remember_names(self, model: nn.Module) -> None:
         """Every name of every parameter (tied ones have several), by object.
@@ -49,14 +48,16 @@ class PretrainedWeights:
 
     def read(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
         name = self._stored_name(param)
-        f = self._file(self._file_of[name])
-        shape = tuple(f.get_slice(name).get_shape())
-        if shape != tuple(param.shape):
-            raise CheckpointError(
-                f"{self._file_of[name]}: tensor {name!r} has shape {list(shape)}, the model's parameter "
-                f"{list(param.shape)}: these weights are of another model (or another config)"
-            )
-        return read_flat_slice(f, name, start, stop, str(self._file_of[name])).to(param.dtype)
+        # Opened per read: the file is memory-mapped, and pages of a mapping kept open stay in
+        # the process's resident memory (4 replicas reading their quarters map the whole file).
+        with safe_open(str(self._file_of[name]), framework="pt") as f:
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != tuple(param.shape):
+                raise CheckpointError(
+                    f"{self._file_of[name]}: tensor {name!r} has shape {list(shape)}, the model's parameter "
+                    f"{list(param.shape)}: these weights are of another model (or another config)"
+                )
+            return read_flat_slice(f, name, start, stop, str(self._file_of[name])).to(param.dtype, copy=True)
 
     def _stored_name(self, param: nn.Parameter) -> str:
         """The parameter's name in the files; a tied parameter may be stored under any of its names."""
@@ -67,11 +68,6 @@ class PretrainedWeights:
             if name in self._file_of:
                 return name
         raise CheckpointError(f"{self.folder}: no tensor {' or '.join(map(repr, names))} in these weights")
-
-    def _file(self, path: Path) -> Any:
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        return self._open[path]
 
 
 def pretrained_weights(folder: str | Path) -> PretrainedWeights:
