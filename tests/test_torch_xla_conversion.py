@@ -1,0 +1,67 @@
+"""torch_xla-format checkpoints (torch_xla's FSDP scripts, the Trainer's XLA FSDP path), read for
+conversion: files made by torch_xla's own ``XlaFullyShardedDataParallel``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+
+from accel_xla_fsdp import CheckpointError, seeded
+from accel_xla_fsdp.checkpoint.torch_xla_files import TorchXlaCheckpoint
+from models import make_llama
+
+
+def save_with_torch_xla_fsdp(rank: int, world: int, directory: str, flatten: bool, name_like: str) -> None:
+    """What a torch_xla FSDP script (or the Trainer) writes, made by torch_xla's class itself.
+    Wrapping shards without any collective, so torch_xla's FSDP runs here unchanged."""
+    import functools
+
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    with seeded(0):
+        model = make_llama()
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    wrapped = XlaFullyShardedDataParallel(model, auto_wrap_policy=policy, flatten_parameters=flatten)
+    ckpt = {"model": {k: v.cpu() for k, v in wrapped.state_dict().items()}, "shard_metadata": wrapped.get_shard_metadata()}
+    file = f"final_ckpt_rank-{rank:08d}-of-{world:08d}.pth" if name_like == "script" else f"rank{rank}-of-{world}-pytorch_model.bin"
+    torch.save(ckpt, os.path.join(directory, file))
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flat", "per-parameter"])
+@pytest.mark.parametrize("name_like", ["script", "trainer"])
+def test_torch_xla_rank_files_read_back_the_model(pools, tmp_path, flatten: bool, name_like: str) -> None:
+    pools[2].run(save_with_torch_xla_fsdp, 2, str(tmp_path), flatten, name_like)
+    with seeded(0):
+        want = {n: p.detach() for n, p in make_llama().named_parameters()}
+    ckpt = TorchXlaCheckpoint(tmp_path)
+    assert sorted(ckpt.params) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(ckpt.read_param(name).view(value.shape), value), name
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path) -> None:
+    path = tmp_path / "ckpt_rank-00000000-of-00000001.pth"
+    with open(path, "wb") as f:
+        pickle.dump({"model": _RunsCode(), "shard_metadata": {}}, f)
+    with pytest.raises(CheckpointError, match="refused: loading it needs more than tensors"):
+        TorchXlaCheckpoint(path)
+
+
+def test_missing_and_foreign_rank_files_are_named(tmp_path) -> None:
+    (tmp_path / "x_rank-00000001-of-00000002.pth").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"rank file\(s\) \[0\] of 2 missing"):
+        TorchXlaCheckpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no torch_xla rank files"):
+        TorchXlaCheckpoint(tmp_path / "nothing")
