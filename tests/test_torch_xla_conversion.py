@@ -51,10 +51,15 @@ class _RunsCode:
         return (os.system, ("echo pwned > /dev/null",))
 
 
-def test_a_pickle_that_would_run_code_is_refused(tmp_path) -> None:
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_a_pickle_that_would_run_code_is_refused(tmp_path, writer: str) -> None:
     path = tmp_path / "ckpt_rank-00000000-of-00000001.pth"
-    with open(path, "wb") as f:
-        pickle.dump({"model": _RunsCode(), "shard_metadata": {}}, f)
+    payload = {"model": _RunsCode(), "shard_metadata": {}}
+    if writer == "torch.save":
+        torch.save(payload, path)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(payload, f)
     with pytest.raises(CheckpointError, match="refused: loading it needs more than tensors"):
         TorchXlaCheckpoint(path)
 

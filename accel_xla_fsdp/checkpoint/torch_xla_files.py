@@ -55,7 +55,13 @@ def find_rank_files(path: Path) -> List[Path]:
 
 def _load(path: Path) -> Dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # A legacy (not zip) torch.save file cannot be memory-mapped: read it whole.
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"{path}: refused: loading it needs more than tensors and plain containers "
