@@ -1,7 +1,7 @@
 """Fully Sharded Data Parallel on XLA devices, for Hugging Face Accelerate."""
 
 from ._xla import sync
-from .checkpoint import CheckpointError, ShardedCheckpoint, load_sharded, save_sharded
+from .checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_sharded, save_sharded
 from .checkpointing import checkpoint_module
 from .fsdp import XlaFullyShardedDataParallel
 from .options import FsdpOptions
@@ -21,6 +21,7 @@ __all__ = [
     "checkpoint_module",
     "save_sharded",
     "load_sharded",
+    "consolidate",
     "ShardedCheckpoint",
     "CheckpointError",
     "sync",
