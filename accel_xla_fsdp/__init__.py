@@ -1,7 +1,7 @@
 """Fully Sharded Data Parallel on XLA devices, for Hugging Face Accelerate."""
 
 from ._xla import sync
-from .checkpoint import CheckpointError, ShardedCheckpoint, load_sharded, pretrained_weights, save_sharded
+from .checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_sharded, pretrained_weights, save_sharded
 from .checkpointing import checkpoint_module
 from .fsdp import XlaFullyShardedDataParallel
 from .options import FsdpOptions
@@ -22,6 +22,7 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "pretrained_weights",
+    "consolidate",
     "ShardedCheckpoint",
     "CheckpointError",
     "sync",

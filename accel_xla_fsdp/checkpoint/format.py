@@ -174,13 +174,19 @@ class ShardedCheckpoint:
         """Elements ``[start, stop)`` of ``group``'s virtual full tensor (1-D, CPU), reading only
         the slices of the rank files that hold them. ``prefix``/``state`` pick the model or an
         optimizer state tensor of the same layout."""
+        pieces = self.read_pieces(group, start, stop, prefix, state)
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch_dtype(group.dtype))
+
+    def read_pieces(self, group: GroupEntry, start: int, stop: int, prefix: str = MODEL, state: str = "") -> List[torch.Tensor]:
+        """``read_range`` as one piece per rank file, not copied: views into the files' memory maps
+        (valid after ``close``, which only drops this object's references)."""
         key = f"{prefix}/{group.key}" + (f"/{state}" if state else "")
         pieces = []
         size = group.shard_numel
         for rank in range(start // size, (stop - 1) // size + 1 if stop > start else start // size):
             lo, hi = max(start, rank * size) - rank * size, min(stop, (rank + 1) * size) - rank * size
             pieces.append(read_flat_slice(self.file(rank), key, lo, hi, str(self.files[rank])))
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch_dtype(group.dtype))
+        return pieces
 
     def read_param(self, name: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
         """Elements ``[start, stop)`` of parameter ``name`` flattened (all of it by default)."""
@@ -190,6 +196,11 @@ class ShardedCheckpoint:
 
     def read_buffer(self, name: str) -> torch.Tensor:
         return self.file(0).get_tensor(f"{BUFFER}/{name}")
+
+    def close(self) -> None:
+        """Drop the open files. Each is a memory map, and every page read through it counts in
+        this process's resident memory until it is unmapped; the next read opens the file again."""
+        self._open.clear()
 
 
 def read_record(directory: Path) -> Dict[str, Any]:

@@ -1,0 +1,642 @@
+"""Consolidate a sharded checkpoint into the Hugging Face layout, streaming.
+
+[Note: streaming consolidation]
+``consolidate`` turns a directory written by ``save_sharded`` into what ``save_pretrained``
+writes: ``model.safetensors``, or numbered shards with ``model.safetensors.index.json`` above the
+size limit (names and index from ``huggingface_hub``'s sharding helper), plus ``config.json``
+when given a config, and optionally the full optimizer state.
+
+It never holds the model: every output file is written here in the safetensors format (8-byte
+little-endian header length, a JSON header of dtype, shape and byte range per tensor, then the
+bytes in header order), tensor by tensor and, within a tensor, in pieces of at most
+``CHUNK_BYTES``: ``ShardedCheckpoint.read_pieces`` gives the slices of the rank files that
+``read_param`` would concatenate, as views of the files' memory maps, and they are written from
+there without a copy (a cast goes through one reused buffer). Pages read through a memory map
+count in the process's resident memory until it is unmapped, so the rank files are closed again
+after every ``CHUNK_BYTES`` read. Peak memory is a few pieces, whatever the size of the model or
+of an output file.
+
+Everything is checked before anything is written: the rank files against their record and each
+other, their metadata against their tensors, the checkpoint against the config's model. The files
+are written into a temporary directory beside the output directory and moved there only once all
+are complete; on any error the temporary directory is removed, so no partial output is left (a
+process killed midway leaves that hidden directory, ``.<name>.consolidating-*``, and nothing else).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import struct
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import MAX_SHARD_SIZE, parse_size_to_int
+from tqdm.auto import tqdm
+
+from .format import (
+    BUFFER, MODEL, OPTIM, RECORD, CheckpointError, GroupEntry, ParamEntry, ShardedCheckpoint, torch_dtype,
+)
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_PATTERN = "model{suffix}.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+OPTIMIZER_NAME = "optimizer.safetensors"
+OPTIMIZER_JSON_NAME = "optimizer.json"
+CHUNK_BYTES = 32 * 2**20  # one read; the rank files are closed again after each such amount read
+CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Files that make a folder hold a model (transformers' weight names, any shard, any index).
+_MODEL_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def consolidate(
+    checkpoint_dir: Union[str, os.PathLike],
+    output_dir: Union[str, os.PathLike],
+    *,
+    max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
+    config: Any = None,
+    dtype: Union[None, str, torch.dtype] = None,
+    optimizer: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write the model of a ``save_sharded`` checkpoint in the Hugging Face layout; returns ``output_dir``.
+
+    Args:
+        checkpoint_dir: the directory given to ``save_sharded`` (holding ``checkpoint.json``).
+        output_dir: where to write ``model.safetensors`` (or shards and their index). Created; a
+            folder that already holds a model is refused unless ``overwrite``.
+        max_shard_size: the largest output file, in bytes or as ``"5GB"``; a bigger model is
+            split into ``model-00001-of-0000N.safetensors`` files (a single tensor larger than
+            the limit gets a file of its own).
+        config: a model config (``config.json``, a folder holding one, or a ``PretrainedConfig``),
+            written beside the weights. It names the model class, which decides the names tied
+            weights are written under and which buffers are persistent: without it, every
+            parameter is written under its first name and no buffer is written. Names are the
+            model's own (its state dict's): a class whose ``save_pretrained`` converts weights to
+            another layout (transformers 5's conversion mappings, some mixture-of-experts
+            models) is not converted back; only causal LMs without one (Llama) are tested.
+        dtype: cast floating tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"`` (the
+            config's ``dtype`` says so too); default: as saved.
+        optimizer: also write the full optimizer state: ``optimizer.safetensors`` with a tensor
+            ``<parameter name>.<state>`` per parameter and state (``exp_avg``, ``step``, ...), in
+            the dtype saved, and ``optimizer.json`` (optimizer type, hyper-parameters of each
+            param group with its parameters' names, non-tensor state).
+        overwrite: replace the model in ``output_dir`` (its weight files, shards included, are
+            removed once the new files are complete).
+        progress: show a progress bar (bytes written) on stderr.
+
+    Raises:
+        CheckpointError: bad input (the message names the file or key and what is wrong); nothing
+        is written then.
+    """
+    out = Path(output_dir)
+    limit = parse_max_shard_size(max_shard_size)
+    cast = parse_dtype(dtype)
+    ckpt = ShardedCheckpoint(checkpoint_dir)
+    try:
+        check_checkpoint(ckpt, optimizer)
+        model = ModelInfo.from_config(config) if config is not None else None
+        names = output_names(ckpt, model)
+        weights = model_tensors(ckpt, names, model, cast)
+        split = split_state_dict_into_shards_factory(
+            {t.name: t for t in weights}, get_storage_size=lambda t: t.nbytes,
+            filename_pattern=WEIGHTS_PATTERN, max_shard_size=limit,
+        )
+        by_name = {t.name: t for t in weights}
+        files = {name: [by_name[n] for n in tensors] for name, tensors in split.filename_to_tensors.items()}
+        optim_tensors, optim_json = optimizer_tensors(ckpt, names) if optimizer else ([], None)
+        if optimizer:
+            files[OPTIMIZER_NAME] = optim_tensors
+        extra: Dict[str, str] = {}  # file name -> text
+        if split.is_sharded:
+            index = {
+                "metadata": {"total_parameters": sum(t.numel for t in weights if not t.buffer), **split.metadata},
+                "weight_map": split.tensor_to_filename,
+            }
+            extra[WEIGHTS_INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        if optim_json is not None:
+            extra[OPTIMIZER_JSON_NAME] = json.dumps(optim_json, indent=2) + "\n"
+        written = set(files) | set(extra)
+        if model is not None:
+            written |= {CONFIG_NAME} | ({GENERATION_CONFIG_NAME} if model.generation_config else set())
+        check_output_dir(out, written, overwrite)
+        total = sum(t.nbytes for ts in files.values() for t in ts)
+        check_free_space(out, total)
+
+        budget = ReadBudget(ckpt)
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", disable=not progress)
+        with bar, staging_dir(out) as tmp:
+            for name, tensors in files.items():
+                write_safetensors(tmp / name, tensors, budget, bar)
+            for name, text in extra.items():
+                (tmp / name).write_text(text)
+            if model is not None:
+                floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
+                model.write_config(tmp, floats[0] if floats else None)
+            commit(tmp, out, overwrite)
+    finally:
+        ckpt.close()
+    return out
+
+
+def parse_max_shard_size(size: Union[int, str]) -> int:
+    if isinstance(size, int):
+        value = size
+    elif str(size).strip().isdigit():
+        value = int(str(size).strip())
+    else:
+        try:
+            value = parse_size_to_int(str(size))
+        except ValueError as e:
+            raise ValueError(f"max shard size {size!r}: {e}") from None
+    if value <= 0:
+        raise ValueError(f"max shard size {size!r}: must be positive")
+    return value
+
+
+def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in CAST_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in CAST_DTYPES:
+        return CAST_DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype {dtype!r}: cast to one of {', '.join(CAST_DTYPES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking the input
+
+
+def check_checkpoint(ckpt: ShardedCheckpoint, optimizer: bool) -> None:
+    """Every rank file agrees with rank 0's layout and holds the tensors its metadata lists, with
+    the element counts and dtypes it says; every parameter lies within its group. Reads headers
+    only. (``ShardedCheckpoint`` has already matched every file to the record's save and ranks.)"""
+    first, first_path = ckpt.metas[0], ckpt.files[0]
+    if len(ckpt.files) != ckpt.world_size:
+        raise CheckpointError(f"{ckpt.directory / RECORD}: lists {len(ckpt.files)} rank files for a world of {ckpt.world_size}")
+    names: Dict[str, str] = {}
+    for g in first.groups:
+        _dtype_of(first_path, g.dtype)
+        if not 1 <= g.world_size <= ckpt.world_size or g.shard_numel < 0:
+            raise CheckpointError(
+                f"{first_path}: group {g.key!r} is sharded over {g.world_size} ranks in {g.shard_numel}-element "
+                f"shards, which {ckpt.world_size} rank files cannot hold"
+            )
+        size = g.world_size * g.shard_numel
+        end = 0
+        for p in sorted(g.params, key=lambda p: p.offset):
+            if p.offset < end or p.offset + p.numel > size:
+                raise CheckpointError(
+                    f"{first_path}: parameter {p.name!r} of group {g.key!r} takes elements [{p.offset}, "
+                    f"{p.offset + p.numel}), outside the group's {size} ({g.world_size} x {g.shard_numel}) or "
+                    "overlapping another parameter"
+                )
+            end = p.offset + p.numel
+            for name in (p.name, *p.aliases):
+                if name in names:
+                    raise CheckpointError(f"{first_path}: parameter {name!r} is listed twice (groups {names[name]!r} and {g.key!r})")
+                names[name] = g.key
+    optim = first.optimizer
+    if optimizer and optim is None:
+        raise CheckpointError(f"{ckpt.directory}: saved without optimizer state (save_sharded(model, None, ...)); leave out --optimizer")
+    if optimizer:
+        for pg in optim.get("param_groups", []):
+            for key in pg.get("groups", []):
+                if key not in ckpt.groups:
+                    raise CheckpointError(f"{first_path}: the optimizer state names group {key!r}, which the model metadata does not list")
+    first_optim = None
+    for rank, (path, meta) in enumerate(zip(ckpt.files, ckpt.metas)):
+        if meta.groups != first.groups or meta.buffers != first.buffers or _optim_layout(meta.optimizer) != _optim_layout(optim):
+            raise CheckpointError(f"{path}: its layout metadata differs from rank 0's ({first_path.name}): {_first_difference(meta, first)}")
+        headers = {name: ckpt.file(rank).get_slice(name) for name in ckpt.tensor_names(rank)}
+        for g in meta.groups:
+            key = f"{MODEL}/{g.key}"
+            _check_tensor(path, headers, key, g.shard_numel, _dtype_of(path, g.dtype), "its metadata says")
+        if rank == 0:
+            for name, dtype in meta.buffers.items():
+                key = f"{BUFFER}/{name}"
+                _check_tensor(path, headers, key, None, _dtype_of(path, dtype), "its metadata says")
+        if optimizer:
+            mine = {n: (list(h.get_shape()), h.get_dtype()) for n, h in headers.items() if n.startswith(f"{OPTIM}/")}
+            if first_optim is None:
+                first_optim = mine
+            for name in sorted(set(mine) ^ set(first_optim)):
+                where = "has" if name in mine else "lacks"
+                raise CheckpointError(f"{path}: {where} optimizer tensor {name!r}, unlike rank 0's file {first_path.name}")
+            for name, (shape, dt) in mine.items():
+                group = ckpt.groups.get(name[len(OPTIM) + 1 :].rsplit("/", 1)[0])
+                if group is None:
+                    raise CheckpointError(f"{path}: optimizer tensor {name!r} belongs to no group of the model metadata")
+                if shape != first_optim[name][0] or dt != first_optim[name][1]:
+                    raise CheckpointError(
+                        f"{path}: optimizer tensor {name!r} is {dt} {shape}, rank 0's is {first_optim[name][1]} {first_optim[name][0]}"
+                    )
+    ckpt.close()
+
+
+def _dtype_of(path: Path, name: str) -> torch.dtype:
+    try:
+        return torch_dtype(name)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _check_tensor(path: Path, headers: Dict[str, Any], key: str, numel: Optional[int], dtype: torch.dtype, says: str) -> None:
+    if key not in headers:
+        raise CheckpointError(f"{path}: has no tensor {key!r}, which its metadata lists")
+    shape = headers[key].get_shape()
+    found = _TORCH_DTYPES.get(headers[key].get_dtype())
+    if numel is not None and _numel(shape) != numel:
+        raise CheckpointError(f"{path}: tensor {key!r} has {_numel(shape)} elements (shape {list(shape)}); {says} {numel}")
+    if found != dtype:
+        raise CheckpointError(f"{path}: tensor {key!r} is {headers[key].get_dtype()}; {says} {dtype}")
+
+
+def _optim_layout(optim: Optional[Dict[str, Any]]) -> Any:
+    return None if optim is None else (optim.get("type"), optim.get("param_groups"))
+
+
+def _first_difference(meta: Any, first: Any) -> str:
+    theirs = {g.key: g for g in first.groups}
+    for g in meta.groups:
+        if g.key not in theirs:
+            return f"group {g.key!r} is not in rank 0's"
+        if g != theirs[g.key]:
+            return f"group {g.key!r} differs"
+    if len(meta.groups) != len(first.groups):
+        return f"{len(meta.groups)} groups, rank 0's has {len(first.groups)}"
+    if meta.buffers != first.buffers:
+        return "its buffers differ"
+    return "its optimizer metadata differs"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# The model the config describes
+
+
+@dataclass
+class ModelInfo:
+    """What the config's model class says about names: its parameters (every name, tied ones
+    included) and persistent buffers, in state-dict order, and its tied weights."""
+
+    config: Any
+    class_name: str
+    params: Dict[str, Tuple[int, ...]]
+    buffers: Dict[str, Tuple[int, ...]]
+    tied: Dict[str, str]  # target -> source: transformers saves the source and re-ties the target
+    order: Dict[str, int]
+    generation_config: Optional[Path] = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelInfo:
+        import transformers
+
+        where = "the config given"
+        generation = None
+        if not isinstance(config, transformers.PretrainedConfig):
+            path = Path(config)
+            where = str(path)
+            if not path.exists():
+                raise CheckpointError(f"{path}: no such config file or folder")
+            try:
+                config = transformers.AutoConfig.from_pretrained(str(path))
+            except Exception as e:  # OSError, ValueError, JSON errors: transformers' message says which
+                raise CheckpointError(f"{path}: not a model config transformers can read ({e})") from None
+            if path.is_dir() and (path / GENERATION_CONFIG_NAME).is_file():
+                generation = path / GENERATION_CONFIG_NAME
+        config = copy.deepcopy(config)
+        try:
+            model = _meta_model(config)
+        except Exception as e:
+            raise CheckpointError(f"{where}: no model can be built from it ({type(e).__name__}: {e})") from None
+        params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        state = model.state_dict(keep_vars=True)
+        buffers = {n: tuple(b.shape) for n, b in state.items() if n not in params}
+        order = {n: i for i, n in enumerate(state)}
+        for n in params:
+            order.setdefault(n, len(order))
+        if hasattr(model, "get_expanded_tied_weights_keys"):  # transformers 5
+            tied = dict(model.get_expanded_tied_weights_keys(all_submodels=True))
+        else:  # transformers 4: a list of the names dropped when tied
+            keys = getattr(model, "_tied_weights_keys", None) or []
+            tied = {k: "" for k in keys if k in params} if getattr(config, "tie_word_embeddings", False) else {}
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(model).__name__]
+        return cls(config, type(model).__name__, params, buffers, tied, order, generation)
+
+    def write_config(self, directory: Path, dtype: Optional[torch.dtype]) -> None:
+        """``config.json`` (its ``dtype`` that of the weights written, as ``save_pretrained`` records
+        it), and the config folder's ``generation_config.json`` if it has one."""
+        if dtype is not None:
+            self.config.dtype = dtype
+        self.config.save_pretrained(str(directory))
+        if self.generation_config is not None:
+            shutil.copyfile(self.generation_config, directory / GENERATION_CONFIG_NAME)
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """The config's model with its parameters on the meta device (no memory, no initialization)."""
+    import transformers
+
+    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+    with torch.device("meta"):
+        for model_class in classes:
+            if model_class is not None:
+                return model_class._from_config(config)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return transformers.AutoModel.from_config(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning the output
+
+
+@dataclass
+class OutTensor:
+    """One tensor of an output file: its name, shape and dtype as written, and where it comes from."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[int, int], List[torch.Tensor]]  # elements [start, stop) flattened, in pieces, any dtype
+    buffer: bool = False
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def output_names(ckpt: ShardedCheckpoint, model: Optional[ModelInfo]) -> Dict[str, List[str]]:
+    """For each parameter of the checkpoint (by its first name), the names it is written under.
+
+    A tied parameter is one tensor with several names. Without a model: its first name. With
+    one: the model's names for it, less the tied targets transformers re-ties on loading (for a
+    causal LM with tied embeddings, ``model.embed_tokens.weight`` and not ``lm_head.weight``);
+    a model that does not tie them gets each name, the same values under both.
+    """
+    if model is None:
+        return {name: [name] for name in ckpt.params}
+    where = ckpt.directory
+    saved = {n: entry.shape for _, entry in ckpt.params.values() for n in (entry.name, *entry.aliases)}
+    unexpected = [n for n in saved if n not in model.params]
+    missing = [n for n in model.params if n not in saved]
+    wrong = [f"{n}: {list(saved[n])} saved, {list(model.params[n])} in {model.class_name}" for n in saved if n in model.params and tuple(saved[n]) != model.params[n]]
+    if unexpected or missing or wrong:
+        parts = [f"not in {model.class_name}: {unexpected[:5]}" if unexpected else "", f"missing: {missing[:5]}" if missing else "", *wrong[:5]]
+        raise CheckpointError(f"{where}: does not fit the config's {model.class_name} ({'; '.join(p for p in parts if p)})")
+    persistent = [n for n in model.buffers if n not in ckpt.metas[0].buffers]
+    if persistent:
+        raise CheckpointError(f"{where}: has no buffer {persistent[0]!r}, a persistent buffer of the config's {model.class_name}")
+    names = {}
+    for name, (_, entry) in ckpt.params.items():
+        all_names = [entry.name, *entry.aliases]
+        kept = [n for n in all_names if n not in model.tied]
+        if not kept:
+            source = model.tied[entry.name]
+            raise CheckpointError(
+                f"{where}: the config ties {entry.name!r} to {source!r}, but the checkpoint holds them as two parameters "
+                "(trained untied): set tie_word_embeddings=False in the config"
+            )
+        names[name] = sorted(kept, key=lambda n: model.order.get(n, 0))
+    return names
+
+
+def model_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]], model: Optional[ModelInfo], cast: Optional[torch.dtype]) -> List[OutTensor]:
+    """The weights file's tensors: parameters (and, with a model, its persistent buffers), in the
+    model's state-dict order, or the checkpoint's without one."""
+    def out_dtype(saved: torch.dtype) -> torch.dtype:
+        return cast if cast is not None and saved.is_floating_point else saved
+
+    tensors = []
+    for name, (group, entry) in ckpt.params.items():
+        for out in names[name]:
+            reader = lambda a, b, g=group, e=entry: ckpt.read_pieces(g, e.offset + a, e.offset + b)  # noqa: E731
+            tensors.append(OutTensor(out, entry.shape, out_dtype(torch_dtype(group.dtype)), reader))
+    if model is not None:
+        for name in model.buffers:
+            header = ckpt.file(0).get_slice(f"{BUFFER}/{name}")
+            saved = _TORCH_DTYPES[header.get_dtype()]
+            reader = lambda a, b, name=name: [ckpt.read_buffer(name).reshape(-1)[a:b]]  # noqa: E731
+            tensors.append(OutTensor(name, tuple(header.get_shape()), out_dtype(saved), reader, buffer=True))
+        tensors.sort(key=lambda t: model.order[t.name])
+    return tensors
+
+
+def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> Tuple[List[OutTensor], Dict[str, Any]]:
+    """``optimizer.safetensors``: each state tensor shaped like the shards reassembled per
+    parameter as the parameters are; the others (Adam's ``step``) copied for each parameter of
+    their group. And ``optimizer.json``: type, param groups with their parameters' names, and
+    the non-tensor state."""
+    saved = ckpt.metas[0].optimizer
+    f = ckpt.file(0)
+    states: Dict[str, List[str]] = {}
+    for key in ckpt.tensor_names(0):
+        if key.startswith(f"{OPTIM}/"):
+            group, state = key[len(OPTIM) + 1 :].rsplit("/", 1)
+            states.setdefault(group, []).append(state)
+    out_names = lambda e: names[e.name]  # noqa: E731
+    tensors = []
+    for group in ckpt.groups.values():
+        shard_shape = list(f.get_slice(f"{MODEL}/{group.key}").get_shape())
+        for state in sorted(states.get(group.key, [])):
+            header = f.get_slice(f"{OPTIM}/{group.key}/{state}")
+            dtype = _TORCH_DTYPES[header.get_dtype()]
+            sharded = list(header.get_shape()) == shard_shape
+            for entry in group.params:
+                if sharded:
+                    read = _optim_reader(ckpt, group, entry, state)
+                    shape = entry.shape
+                else:
+                    read = _whole_reader(ckpt, f"{OPTIM}/{group.key}/{state}")
+                    shape = tuple(header.get_shape())
+                tensors.extend(OutTensor(f"{n}.{state}", shape, dtype, read) for n in out_names(entry))
+    params_of = {g.key: [n for e in g.params for n in out_names(e)] for g in ckpt.groups.values()}
+    param_groups = [
+        {**{k: v for k, v in pg.items() if k != "groups"}, "params": [n for key in pg["groups"] for n in params_of[key]]}
+        for pg in saved["param_groups"]
+    ]
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for key, value in saved.get("scalars", {}).items():
+        group, state = key.rsplit("/", 1)
+        for n in params_of.get(group, []):
+            scalars.setdefault(n, {})[state] = value
+    return tensors, {"type": saved["type"], "param_groups": param_groups, "state": scalars}
+
+
+def _optim_reader(ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry, state: str) -> Callable[[int, int], torch.Tensor]:
+    return lambda a, b: ckpt.read_pieces(group, entry.offset + a, entry.offset + b, prefix=OPTIM, state=state)
+
+
+def _whole_reader(ckpt: ShardedCheckpoint, key: str) -> Callable[[int, int], torch.Tensor]:
+    return lambda a, b: [ckpt.file(0).get_tensor(key).reshape(-1)[a:b]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class ReadBudget:
+    """Closes the checkpoint's files (unmapping what was read) after every ``CHUNK_BYTES`` read."""
+
+    def __init__(self, ckpt: ShardedCheckpoint, limit: int = CHUNK_BYTES) -> None:
+        self.ckpt, self.limit, self.read = ckpt, limit, 0
+
+    def add(self, nbytes: int) -> None:
+        self.read += nbytes
+        if self.read >= self.limit:
+            self.ckpt.close()
+            self.read = 0
+
+
+def safetensors_header(tensors: Sequence[OutTensor]) -> bytes:
+    header: Dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{t.name}: dtype {t.dtype} has no safetensors name")
+        header[t.name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+
+
+def write_safetensors(path: Path, tensors: Sequence[OutTensor], budget: ReadBudget, bar: Any, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Write a safetensors file tensor by tensor, each in pieces of at most ``chunk_bytes``.
+
+    A piece in the dtype written goes from the rank file's memory map to the output file without
+    a copy; one to cast is copied into a buffer reused for every piece."""
+    header = safetensors_header(tensors)
+    casts: Dict[torch.dtype, torch.Tensor] = {}
+    with open(path, "wb", buffering=0) as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for t in tensors:
+            step = max(1, chunk_bytes // t.dtype.itemsize)
+            for start in range(0, t.numel, step):
+                stop = min(t.numel, start + step)
+                done = 0
+                for piece in t.read(start, stop):
+                    piece = piece.reshape(-1)
+                    if piece.dtype == t.dtype:
+                        data = piece.contiguous()
+                    else:
+                        if t.dtype not in casts or casts[t.dtype].numel() < piece.numel():
+                            casts[t.dtype] = torch.empty(max(step, piece.numel()), dtype=t.dtype)
+                        data = casts[t.dtype][: piece.numel()]
+                        data.copy_(piece)
+                    if data.numel():
+                        _write_all(f, data.view(torch.uint8).numpy().data)
+                    done += piece.numel()
+                    bar.update(data.numel() * t.dtype.itemsize)
+                    budget.add(piece.numel() * piece.dtype.itemsize)
+                    del piece, data
+                if done != stop - start:
+                    raise CheckpointError(
+                        f"{t.name}: elements [{start}, {stop}) read as {done}: the rank files hold fewer than their metadata says"
+                    )
+        expected = 8 + len(header) + sum(t.nbytes for t in tensors)
+        if f.tell() != expected:
+            raise CheckpointError(f"{path}: wrote {f.tell()} bytes, expected {expected}")
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    while len(view):  # an unbuffered write may write less than asked
+        view = view[f.write(view):]
+
+
+# ---------------------------------------------------------------------------------------------
+# The output directory
+
+
+def model_files(directory: Path) -> List[Path]:
+    return sorted(p for p in directory.iterdir() if _MODEL_FILE.fullmatch(p.name)) if directory.is_dir() else []
+
+
+def check_output_dir(out: Path, written: Set[str], overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    if out.is_dir():
+        present = sorted({p.name for p in model_files(out)} | {n for n in written if (out / n).exists()})
+        if present and not overwrite:
+            raise CheckpointError(
+                f"{out}: already holds a model ({', '.join(present[:4])}{', ...' if len(present) > 4 else ''}); "
+                "pass --overwrite (overwrite=True) to replace it"
+            )
+
+
+def check_free_space(out: Path, nbytes: int) -> None:
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < nbytes + 2**20:
+        raise CheckpointError(f"{existing}: {free / 1e9:.2f} GB free, the output takes {nbytes / 1e9:.2f} GB")
+
+
+@contextmanager
+def staging_dir(out: Path) -> Iterator[Path]:
+    """A new directory beside ``out`` to write into; removed on error (with the parents it made)."""
+    created = []
+    parent = out.absolute().parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.absolute().parent / f".{out.name}.consolidating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def commit(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Put the finished files in place: the directory renamed to ``out``, or, when ``out``
+    exists, each file moved into it (after removing the model it held, if ``overwrite``)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if overwrite:
+        for old in model_files(out):
+            old.unlink()
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()

@@ -1,0 +1,98 @@
+"""The ``accel-xla-fsdp`` command (installed with the package; also ``python -m accel_xla_fsdp``).
+
+    accel-xla-fsdp consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--config PATH]
+                               [--dtype bfloat16] [--optimizer] [--overwrite]
+
+Bad input (a ``CheckpointError``, an OS error) or bad arguments end the command with a message
+and a non-zero exit status (1, or 2 for arguments), without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+CONSOLIDATE_HELP = """\
+Write the model of a sharded checkpoint (the directory given to save_sharded) in the Hugging Face
+layout: OUT_DIR/model.safetensors, or model-0000i-of-0000N.safetensors files and
+model.safetensors.index.json when the model is larger than --max-shard-size. Streams: tensors
+are read and written in pieces of at most 32 MiB, so memory use does not grow with the model.
+
+With --config, the config is written beside the weights (config.json) and its model class decides
+the names: tied weights are written once under the name transformers keeps (e.g.
+model.embed_tokens.weight, not lm_head.weight) and persistent buffers are written; the checkpoint
+must fit that model. Without --config every parameter is written under its first name and NO
+buffer is written (which buffers are persistent cannot be known): put the model's config.json
+in OUT_DIR before from_pretrained(OUT_DIR), or pass --config.
+
+Nothing is left in OUT_DIR on error: the files are written beside it (.OUT_DIR.consolidating-*)
+and moved in once complete. Bad input ends with a message naming the file or key and exit status 1.
+"""
+
+
+def _size(text: str) -> int:
+    from .checkpoint.consolidate import parse_max_shard_size
+
+    try:
+        return parse_max_shard_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="accel-xla-fsdp", description="Tools for accel-xla-fsdp checkpoints.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    c = commands.add_parser(
+        "consolidate", help="write a sharded checkpoint as a Hugging Face model folder",
+        description=CONSOLIDATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="the checkpoint directory (holding checkpoint.json)")
+    c.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
+    c.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="largest weights file, e.g. 5GB, 500MB or a number of bytes (default: 5GB)")
+    c.add_argument("--config", metavar="PATH",
+                   help="model config (config.json or a folder holding one) to write beside the weights; "
+                        "without it no buffers are written and tied weights keep their first name")
+    c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="cast floating tensors to this dtype (default: as saved)")
+    c.add_argument("--optimizer", action="store_true",
+                   help="also write the full optimizer state: optimizer.safetensors (<param name>.<state>) "
+                        "and optimizer.json (type, hyper-parameters, parameter names)")
+    c.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
+    c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    c.set_defaults(run=_consolidate)
+    return parser
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint.consolidate import consolidate
+
+    out = consolidate(
+        args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size, config=args.config,
+        dtype=args.dtype, optimizer=args.optimizer, overwrite=args.overwrite, progress=args.progress,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    from .checkpoint.format import CheckpointError
+
+    try:
+        return args.run(args)
+    except (CheckpointError, OSError) as e:
+        print(f"accel-xla-fsdp {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"accel-xla-fsdp {args.command}: interrupted (nothing written)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
