@@ -2,6 +2,8 @@
 
     accel-xla-fsdp consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--config PATH]
                                [--dtype bfloat16] [--optimizer] [--overwrite]
+    accel-xla-fsdp convert-torch-xla INPUT OUT_DIR [--max-shard-size 5GB] [--config PATH]
+                                     [--dtype bfloat16] [--overwrite]
 
 Bad input (a ``CheckpointError``, an OS error) or bad arguments end the command with a message
 and a non-zero exit status (1, or 2 for arguments), without a traceback.
@@ -31,6 +33,15 @@ and moved in once complete. Bad input ends with a message naming the file or key
 """
 
 
+CONVERT_HELP = """\
+Write a torch_xla-format FSDP checkpoint in the Hugging Face layout, as consolidate does for ours:
+torch_xla FSDP scripts' rank files (*_rank-<r>-of-<N>.pth, {"model": ..., "shard_metadata": ...})
+or the Trainer's rank<r>-of-<N>-pytorch_model.bin. INPUT is their directory or one of them. The
+files are read with torch.load(weights_only=True, mmap=True): a file that would need code to
+load is refused, never run.
+"""
+
+
 def _size(text: str) -> int:
     from .checkpoint.consolidate import parse_max_shard_size
 
@@ -38,6 +49,19 @@ def _size(text: str) -> int:
         return parse_max_shard_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the Hugging Face folder written (both commands)."""
+    parser.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                        help="largest weights file, e.g. 5GB, 500MB or a number of bytes (default: 5GB)")
+    parser.add_argument("--config", metavar="PATH",
+                        help="model config (config.json or a folder holding one) to write beside the weights; "
+                             "without it no buffers are written and tied weights keep their first name")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="cast floating tensors to this dtype (default: as saved)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,19 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="the checkpoint directory (holding checkpoint.json)")
     c.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
-    c.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
-                   help="largest weights file, e.g. 5GB, 500MB or a number of bytes (default: 5GB)")
-    c.add_argument("--config", metavar="PATH",
-                   help="model config (config.json or a folder holding one) to write beside the weights; "
-                        "without it no buffers are written and tied weights keep their first name")
-    c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                   help="cast floating tensors to this dtype (default: as saved)")
+    _add_output_options(c)
     c.add_argument("--optimizer", action="store_true",
                    help="also write the full optimizer state: optimizer.safetensors (<param name>.<state>) "
                         "and optimizer.json (type, hyper-parameters, parameter names)")
-    c.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
-    c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     c.set_defaults(run=_consolidate)
+    t = commands.add_parser(
+        "convert-torch-xla", help="write torch_xla FSDP (or Trainer) rank files as a Hugging Face model folder",
+        description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument("input", metavar="INPUT", help="the directory holding the rank files, or one of them")
+    t.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
+    _add_output_options(t)
+    t.set_defaults(run=_convert)
     return parser
 
 
@@ -71,6 +95,17 @@ def _consolidate(args: argparse.Namespace) -> int:
     out = consolidate(
         args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size, config=args.config,
         dtype=args.dtype, optimizer=args.optimizer, overwrite=args.overwrite, progress=args.progress,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .checkpoint.consolidate import convert_torch_xla
+
+    out = convert_torch_xla(
+        args.input, args.output_dir, max_shard_size=args.max_shard_size, config=args.config,
+        dtype=args.dtype, overwrite=args.overwrite, progress=args.progress,
     )
     print(f"wrote {out}")
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict
 
@@ -70,3 +72,25 @@ def test_missing_and_foreign_rank_files_are_named(tmp_path) -> None:
         TorchXlaCheckpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no torch_xla rank files"):
         TorchXlaCheckpoint(tmp_path / "nothing")
+
+
+def test_convert_torch_xla_writes_a_model_from_pretrained_loads(pools, tmp_path) -> None:
+    """The real command, on rank files written by torch_xla's FSDP; the config names the class."""
+    from transformers import AutoModelForCausalLM
+
+    rank_files = tmp_path / "torch_xla"
+    rank_files.mkdir()
+    pools[2].run(save_with_torch_xla_fsdp, 2, str(rank_files), True, "trainer")
+    with seeded(0):
+        model = make_llama()
+    model.config.save_pretrained(tmp_path / "config")
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "accel_xla_fsdp.cli", "convert-torch-xla", str(rank_files), str(out),
+           "--config", str(tmp_path / "config"), "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "already holds" in again.stderr

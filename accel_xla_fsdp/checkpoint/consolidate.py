@@ -42,6 +42,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.serialization._base import MAX_SHARD_SIZE, parse_size_to_int
 from tqdm.auto import tqdm
 
+from .torch_xla_files import TorchXlaCheckpoint
 from .format import (
     BUFFER, MODEL, OPTIM, RECORD, CheckpointError, GroupEntry, ParamEntry, ShardedCheckpoint, torch_dtype,
 )
@@ -109,53 +110,79 @@ def consolidate(
         CheckpointError: bad input (the message names the file or key and what is wrong); nothing
         is written then.
     """
-    out = Path(output_dir)
-    limit = parse_max_shard_size(max_shard_size)
-    cast = parse_dtype(dtype)
     ckpt = ShardedCheckpoint(checkpoint_dir)
     try:
         check_checkpoint(ckpt, optimizer)
-        model = ModelInfo.from_config(config) if config is not None else None
-        names = output_names(ckpt, model)
-        weights = model_tensors(ckpt, names, model, cast)
-        split = split_state_dict_into_shards_factory(
-            {t.name: t for t in weights}, get_storage_size=lambda t: t.nbytes,
-            filename_pattern=WEIGHTS_PATTERN, max_shard_size=limit,
-        )
-        by_name = {t.name: t for t in weights}
-        files = {name: [by_name[n] for n in tensors] for name, tensors in split.filename_to_tensors.items()}
-        optim_tensors, optim_json = optimizer_tensors(ckpt, names) if optimizer else ([], None)
-        if optimizer:
-            files[OPTIMIZER_NAME] = optim_tensors
-        extra: Dict[str, str] = {}  # file name -> text
-        if split.is_sharded:
-            index = {
-                "metadata": {"total_parameters": sum(t.numel for t in weights if not t.buffer), **split.metadata},
-                "weight_map": split.tensor_to_filename,
-            }
-            extra[WEIGHTS_INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        if optim_json is not None:
-            extra[OPTIMIZER_JSON_NAME] = json.dumps(optim_json, indent=2) + "\n"
-        written = set(files) | set(extra)
-        if model is not None:
-            written |= {CONFIG_NAME} | ({GENERATION_CONFIG_NAME} if model.generation_config else set())
-        check_output_dir(out, written, overwrite)
-        total = sum(t.nbytes for ts in files.values() for t in ts)
-        check_free_space(out, total)
-
-        budget = ReadBudget(ckpt)
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", disable=not progress)
-        with bar, staging_dir(out) as tmp:
-            for name, tensors in files.items():
-                write_safetensors(tmp / name, tensors, budget, bar)
-            for name, text in extra.items():
-                (tmp / name).write_text(text)
-            if model is not None:
-                floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
-                model.write_config(tmp, floats[0] if floats else None)
-            commit(tmp, out, overwrite)
+        return write_hf_layout(ckpt, output_dir, max_shard_size, config, dtype, optimizer, overwrite, progress)
     finally:
         ckpt.close()
+
+
+def convert_torch_xla(
+    input_path: Union[str, os.PathLike],
+    output_dir: Union[str, os.PathLike],
+    *,
+    max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
+    config: Any = None,
+    dtype: Union[None, str, torch.dtype] = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write a torch_xla-format checkpoint (torch_xla FSDP rank files ``*_rank-<r>-of-<N>.pth``,
+    or the Trainer's ``rank<r>-of-<N>-pytorch_model.bin``; ``input_path`` is their directory or
+    one of them) in the Hugging Face layout, as ``consolidate`` does for ours. The files are
+    read with ``torch.load(weights_only=True)``: one that needs code to load is refused."""
+    ckpt = TorchXlaCheckpoint(input_path)
+    return write_hf_layout(ckpt, output_dir, max_shard_size, config, dtype, False, overwrite, progress)
+
+
+def write_hf_layout(
+    ckpt: Any, output_dir: Union[str, os.PathLike], max_shard_size: Union[int, str], config: Any,
+    dtype: Union[None, str, torch.dtype], optimizer: bool, overwrite: bool, progress: bool,
+) -> Path:
+    """The Hugging Face layout of ``ckpt`` (a ``ShardedCheckpoint`` or ``TorchXlaCheckpoint``)."""
+    out = Path(output_dir)
+    limit = parse_max_shard_size(max_shard_size)
+    cast = parse_dtype(dtype)
+    model = ModelInfo.from_config(config) if config is not None else None
+    names = output_names(ckpt, model)
+    weights = model_tensors(ckpt, names, model, cast)
+    split = split_state_dict_into_shards_factory(
+        {t.name: t for t in weights}, get_storage_size=lambda t: t.nbytes,
+        filename_pattern=WEIGHTS_PATTERN, max_shard_size=limit,
+    )
+    by_name = {t.name: t for t in weights}
+    files = {name: [by_name[n] for n in tensors] for name, tensors in split.filename_to_tensors.items()}
+    optim_tensors, optim_json = optimizer_tensors(ckpt, names) if optimizer else ([], None)
+    if optimizer:
+        files[OPTIMIZER_NAME] = optim_tensors
+    extra: Dict[str, str] = {}  # file name -> text
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": sum(t.numel for t in weights if not t.buffer), **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        extra[WEIGHTS_INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    if optim_json is not None:
+        extra[OPTIMIZER_JSON_NAME] = json.dumps(optim_json, indent=2) + "\n"
+    written = set(files) | set(extra)
+    if model is not None:
+        written |= {CONFIG_NAME} | ({GENERATION_CONFIG_NAME} if model.generation_config else set())
+    check_output_dir(out, written, overwrite)
+    total = sum(t.nbytes for ts in files.values() for t in ts)
+    check_free_space(out, total)
+
+    budget = ReadBudget(ckpt)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", disable=not progress)
+    with bar, staging_dir(out) as tmp:
+        for name, tensors in files.items():
+            write_safetensors(tmp / name, tensors, budget, bar)
+        for name, text in extra.items():
+            (tmp / name).write_text(text)
+        if model is not None:
+            floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
+            model.write_config(tmp, floats[0] if floats else None)
+        commit(tmp, out, overwrite)
     return out
 
 
@@ -416,7 +443,7 @@ def output_names(ckpt: ShardedCheckpoint, model: Optional[ModelInfo]) -> Dict[st
     if unexpected or missing or wrong:
         parts = [f"not in {model.class_name}: {unexpected[:5]}" if unexpected else "", f"missing: {missing[:5]}" if missing else "", *wrong[:5]]
         raise CheckpointError(f"{where}: does not fit the config's {model.class_name} ({'; '.join(p for p in parts if p)})")
-    persistent = [n for n in model.buffers if n not in ckpt.metas[0].buffers]
+    persistent = [n for n in model.buffers if n not in ckpt.buffer_names]
     if persistent:
         raise CheckpointError(f"{where}: has no buffer {persistent[0]!r}, a persistent buffer of the config's {model.class_name}")
     names = {}
@@ -446,10 +473,9 @@ def model_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]], model: O
             tensors.append(OutTensor(out, entry.shape, out_dtype(torch_dtype(group.dtype)), reader))
     if model is not None:
         for name in model.buffers:
-            header = ckpt.file(0).get_slice(f"{BUFFER}/{name}")
-            saved = _TORCH_DTYPES[header.get_dtype()]
+            shape, saved = ckpt.buffer_spec(name)
             reader = lambda a, b, name=name: [ckpt.read_buffer(name).reshape(-1)[a:b]]  # noqa: E731
-            tensors.append(OutTensor(name, tuple(header.get_shape()), out_dtype(saved), reader, buffer=True))
+            tensors.append(OutTensor(name, shape, out_dtype(saved), reader, buffer=True))
         tensors.sort(key=lambda t: model.order[t.name])
     return tensors
 

@@ -108,6 +108,12 @@ class RankMeta:
         return meta
 
 
+_SAFETENSORS_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -193,6 +199,15 @@ class ShardedCheckpoint:
         group, entry = self.params[name]
         stop = entry.numel if stop is None else stop
         return self.read_range(group, entry.offset + start, entry.offset + stop)
+
+    @property
+    def buffer_names(self) -> List[str]:
+        return list(self.metas[0].buffers)
+
+    def buffer_spec(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
+        """A buffer's shape and dtype as saved, from the file's header."""
+        header = self.file(0).get_slice(f"{BUFFER}/{name}")
+        return tuple(header.get_shape()), torch_dtype(_SAFETENSORS_NAMES[header.get_dtype()])
 
     def read_buffer(self, name: str) -> torch.Tensor:
         return self.file(0).get_tensor(f"{BUFFER}/{name}")

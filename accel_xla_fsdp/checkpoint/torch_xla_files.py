@@ -75,7 +75,8 @@ class TorchXlaCheckpoint:
     """A torch_xla FSDP checkpoint (all its rank files) as parameters by name and element range."""
 
     def __init__(self, path: str | Path) -> None:
-        self.files = find_rank_files(Path(path))
+        self.directory = Path(path)
+        self.files = find_rank_files(self.directory)
         self.world_size = len(self.files)
         ckpts = [self._checked(rank, p) for rank, p in enumerate(self.files)]
         self._states = [c["model"] for c in ckpts]
@@ -126,12 +127,17 @@ class TorchXlaCheckpoint:
         for e in entries:
             self.params[e.name] = (group, e)
 
-    def read_range(self, group: GroupEntry, start: int, stop: int) -> torch.Tensor:
+    def read_pieces(self, group: GroupEntry, start: int, stop: int) -> List[torch.Tensor]:
+        """Elements ``[start, stop)`` of ``group``'s virtual full tensor, as one piece per rank."""
         size = group.shard_numel
         pieces = []
         for rank in range(start // size, (stop - 1) // size + 1 if stop > start else start // size):
             lo, hi = max(start, rank * size) - rank * size, min(stop, (rank + 1) * size) - rank * size
             pieces.append(self._states[rank][group.key].reshape(-1)[lo:hi])
+        return pieces
+
+    def read_range(self, group: GroupEntry, start: int, stop: int) -> torch.Tensor:
+        pieces = self.read_pieces(group, start, stop)
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=getattr(torch, group.dtype))
 
     def read_param(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -139,9 +145,20 @@ class TorchXlaCheckpoint:
         stop = entry.numel if stop is None else stop
         return self.read_range(group, entry.offset + start, entry.offset + stop)
 
+    @property
+    def buffer_names(self) -> List[str]:
+        return list(self.buffers)
+
+    def buffer_spec(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
+        key, dtype = self.buffers[name]
+        return tuple(self._states[0][key].shape), dtype
+
     def read_buffer(self, name: str) -> torch.Tensor:
         key, dtype = self.buffers[name]
         return self._states[0][key].to(dtype)
+
+    def close(self) -> None:
+        """Nothing to close: the memory-mapped states stay until this object goes."""
 
 
 def _clean(name: str) -> str:
