@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -49,8 +51,8 @@ def run_rounds(s: Settings, devices: Sequence[int], repeats: int, timeout_s: flo
 
 def table(rows: Sequence[Row]) -> str:
     plain: Dict[int, Row] = {r.devices: r for r in rows if r.variant == "ours" and not r.error}
-    head = ["variant", "N", "step s: median of run medians (every run's)", "x plain", "host s", "MiB/device",
-            "x plain", "all-gathers: n, MiB", "reduce-scatters: n, MiB", "final loss"]
+    head = ["variant", "N", "step s: median of run medians (every run's)", "x plain", "host s", "CPU s", "x plain",
+            "MiB/device", "x plain", "all-gathers: n, MiB", "reduce-scatters: n, MiB", "final loss"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.error:
@@ -62,17 +64,41 @@ def table(rows: Sequence[Row]) -> str:
         lines.append("| " + " | ".join([
             LABELS[r.variant], str(r.devices), f"{r.median_s:.3f} ({runs})",
             f"{r.median_s / base.median_s:.2f}" if base else "", f"{r.host_s:.3f}",
-            f"{r.total_bytes / MIB:.2f}", f"{r.total_bytes / base.total_bytes:.3f}" if base else "",
+            f"{r.cpu_s:.2f}", f"{r.cpu_s / base.cpu_s:.2f}" if base else "", f"{r.total_bytes / MIB:.2f}", f"{r.total_bytes / base.total_bytes:.3f}" if base else "",
             f"{gathers[0]}, {gathers[1] / MIB:.2f}", f"{reduces[0]}, {reduces[1] / MIB:.2f}", f"{r.final_loss:.4f}",
         ]) + " |")
     return "\n".join(lines)
 
 
-def markdown(rows: Sequence[Row], s: Settings, command: str, wall_s: float, loads: Sequence[float]) -> str:
+@dataclass
+class Report:
+    """What the markdown is made from (saved as JSON, to render again with ``--render``)."""
+
+    rows: List[Row]  # every run (``merged`` makes one row per variant and device count)
+    settings: Settings
+    command: str
+    library: str
+    versions: str
+    date: str
+    loads: Tuple[float, float]  # load average before and after
+    wall_s: float
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @staticmethod
+    def load(path: Path) -> Report:
+        raw = json.loads(path.read_text())
+        rows = [Row(**{**r, "collectives": {k: tuple(v) for k, v in r["collectives"].items()}}) for r in raw["rows"]]
+        return Report(**{**raw, "rows": rows, "settings": Settings(**raw["settings"]), "loads": tuple(raw["loads"])})
+
+
+def markdown(report: Report) -> str:
+    s, loads = report.settings, report.loads
     return f"""# Coalesced gathers and bucketed reduce-scatters, per-parameter shards
 
-Written by `{command}` ({time.strftime('%Y-%m-%d')}, {wall_s / 60:.1f} min; do not edit by hand).
-accel_xla_fsdp {library_version()}; {versions()}; {os.cpu_count()} cores shared by every device and by
+Written by `{report.command}` ({report.date}, {report.wall_s / 60:.1f} min; do not edit by hand).
+accel_xla_fsdp {report.library}; {report.versions}; {os.cpu_count()} cores shared by every device and by
 whatever else the machine ran (load average {loads[0]:.1f} before, {loads[1]:.1f} after).
 
 scripts/benchmark.py's tiny Llama ({s.layers} decoder blocks, hidden {s.hidden}, intermediate
@@ -80,10 +106,12 @@ scripts/benchmark.py's tiny Llama ({s.layers} decoder blocks, hidden {s.hidden},
 `flatten_parameters=False` (one group per parameter: 9 per block, 3 in the root). Step: median
 over {s.timed_steps} steps after {s.warmup_steps} warm-up steps in each fresh process, then the median of
 the runs' medians (each run's in brackets). host s: of the step, until its program was launched
-(tracing on every replica). MiB/device: `Total bytes used` of the compiled step; collectives in
-that program, with their result bytes per device (from the first round's dump).
+(tracing on every replica). CPU s: CPU seconds the whole process spent per step (median), less
+sensitive than wall time to the other load on the machine. MiB/device: `Total bytes used` of the
+compiled step; collectives in that program, with their result bytes per device (from the first
+round's dump).
 
-{table(rows)}
+{table(merged(report.rows))}
 """
 
 
@@ -93,17 +121,32 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs of every (variant, N), in rounds")
     p.add_argument("--steps", type=int, help=f"timed steps after the warm-up (default {Settings.timed_steps})")
     p.add_argument("--markdown", type=Path, default=REPO / "docs/collectives.md")
+    p.add_argument("--json", type=Path, default=REPO / "out/collectives.json", help="where the raw figures go")
+    p.add_argument("--render", type=Path, help="no run: write the markdown from saved raw figures")
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args()
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
-    s = Settings() if args.steps is None else dataclasses.replace(Settings(), timed_steps=args.steps)
-    rows = merged(run_rounds(s, args.devices, args.repeat, args.timeout))
-    command = " ".join(["python scripts/benchmark_collectives.py"] + sys.argv[1:])
-    text = markdown(rows, s, command, time.perf_counter() - started, (load_before, os.getloadavg()[0]))
+    if args.render:
+        report = Report.load(args.render)
+    else:
+        report = run(args)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report.save(args.json)
+    text = markdown(report)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.write_text(text)
     print(text)
-    print(f"wrote {args.markdown}")
+    print(f"wrote {args.markdown} (raw figures: {args.render or args.json})")
+
+
+def run(args: argparse.Namespace) -> Report:
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    s = Settings() if args.steps is None else dataclasses.replace(Settings(), timed_steps=args.steps)
+    rows = run_rounds(s, args.devices, args.repeat, args.timeout)
+    return Report(
+        rows=rows, settings=s, command=" ".join(["python scripts/benchmark_collectives.py"] + sys.argv[1:]),
+        library=library_version(), versions=versions(), date=time.strftime("%Y-%m-%d"),
+        loads=(load_before, os.getloadavg()[0]), wall_s=time.perf_counter() - started,
+    )
 
 
 if __name__ == "__main__":
