@@ -392,6 +392,49 @@ def reduce_scatter_sum(
     )
 
 
+def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_layout: bool) -> List[torch.Tensor]:
+    """``all_gather`` of each of ``tensors``, as one collective.
+
+    On a TPU, torch_xla's coalesced all-gather (what its FSDP issues for
+    ``coalesce_all_gather_ops``); it refuses ``pin_layout=True`` for a list, so it never pins.
+    That op takes no channel id, so on the CPU the shards are packed into one vector instead:
+    ``[t_1 | t_2 | ...]`` from every replica gathers to (replicas, total) rows, and each tensor's
+    full value is its columns of that, taken row by row (a copy: XLA has no strided view).
+    """
+    if len(tensors) == 1:
+        return [all_gather(tensors[0], groups, pin_layout)]
+    if not on_cpu():
+        return xm.all_gather(list(tensors), dim=0, groups=groups, pin_layout=False)
+    sizes = [t.numel() for t in tensors]
+    gathered = all_gather(torch.cat([t.reshape(-1) for t in tensors]), groups, pin_layout=False)
+    columns = gathered.view(-1, sum(sizes)).split(sizes, dim=1)
+    return [c.reshape(-1, *t.shape[1:]) for c, t in zip(columns, tensors)]
+
+
+def reduce_scatter_sum_coalesced(
+    tensors: Sequence[torch.Tensor], shard_count: int, scale: float, groups: Groups, pin_layout: bool
+) -> List[torch.Tensor]:
+    """``reduce_scatter_sum`` of each of ``tensors`` (each split along dim 0), as one collective.
+
+    On a TPU, torch_xla's coalesced reduce-scatter (what its ``BucketizedReduceScatter`` issues).
+    That op takes no channel id, so on the CPU the tensors are packed into one: each as
+    (shard_count, its shard's numel), side by side, so that row r holds replica r's shard of
+    every tensor; the reduce-scatter of that leaves each replica its row, split back per tensor.
+    Every element is summed and scaled as in a reduce-scatter of its own tensor.
+    """
+    if len(tensors) == 1:
+        return [reduce_scatter_sum(tensors[0], shard_count, scale, groups, pin_layout)]
+    if not on_cpu():
+        return xm.reduce_scatter(
+            xm.REDUCE_SUM, list(tensors), scale=scale, scatter_dim=0, shard_count=shard_count,
+            groups=groups, pin_layout=pin_layout,
+        )
+    rows = [t.reshape(shard_count, -1) for t in tensors]
+    reduced = reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), shard_count, scale, groups, pin_layout=False)
+    parts = reduced.split([r.size(1) for r in rows])
+    return [p.view(t.size(0) // shard_count, *t.shape[1:]) for p, t in zip(parts, tensors)]
+
+
 def all_reduce(tensor: torch.Tensor, op: str, groups: Groups, pin_layout: bool) -> torch.Tensor:
     """Reduce ``tensor`` (``op`` is ``"sum"`` or ``"max"``) over the group; every member gets it."""
     if on_cpu():

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _xla, hooks
+from .collectives import GradBucket, gather_groups
 from .linear import patch_linear_modules
 from .options import FsdpOptions, ShardingGroup, check_debug_arguments, options_help, wrapper_signature
 from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, shard_param_name
@@ -104,6 +105,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         owned = _owned_parameters(module)
         _check_devices(module, owned, device)
         self.param_groups = self._build_groups(owned, device, source)
+        self.grad_bucket = GradBucket(options.bucket_bytes)
         for group in self.param_groups:
             self.register_parameter(group.spec.shard_name, group.shard)
             hooks.ensure_grad_hooks(self, group)
@@ -198,14 +200,16 @@ class XlaFullyShardedDataParallel(nn.Module):
         return all(g.gathered for g in self.param_groups)
 
     def gather_params(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
-        """Gather every group of this unit; with ``deps``, not before those are computed."""
+        """Gather every group of this unit (in one all-gather with ``coalesce_all_gather_ops``);
+        with ``deps``, not before those are computed."""
         if self.params_gathered:
             return
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
             deps = _xla.combined_dependencies(deps)  # built once, not once per group
-        for group in self.param_groups:
-            group.gather(deps, dtype)
+        coalesced = self.options.coalesce_all_gather_ops
+        for groups in [self.param_groups] if coalesced else [[g] for g in self.param_groups]:
+            gather_groups(groups, deps, dtype)
 
     def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
         for group in self.param_groups:

@@ -8,9 +8,11 @@ methods of a ``transformers`` model that call the model directly).
   forward:   gather the unit's groups; run the module; free them unless the unit keeps them for
              backward; hook the outputs' gradients. A forward that raises frees them too.
   backward:  the hook on the outputs' gradients gathers the groups again; as each full
-             parameter's gradient is accumulated, a group whose gradients are all in is
-             reduce-scattered into its shard's ``.grad`` and freed; a callback queued by the first
-             hook finishes all units after the backward (groups some parameter got no gradient in).
+             parameter's gradient is accumulated, a group whose gradients are all in is freed and
+             its gradients go into the unit's bucket, which reduce-scatters them into the shards'
+             ``.grad`` at once or, with ``reduce_scatter_bucket_size_mb``, together with other
+             groups' (collectives.py); a callback queued by the first hook finishes all units
+             after the backward (groups some parameter got no gradient in, buckets not yet full).
   no_sync:   the full gradients stay on the full parameters, accumulating, and are
              reduce-scattered by the first backward after it.
   graph cut: a unit still holding full parameters outside a forward or backward (a forward with
@@ -233,17 +235,29 @@ def _on_grad_accumulated(unit: Unit, group: ShardedParamGroup, param: torch.Tens
     unit.training_state = TrainingState.BACKWARD_POST
     if group.note_grad_ready() and unit.root_state.sync_gradients:
         _reduce_group(unit, group)
+        if unit.grad_bucket.groups_taken == sum(g.requires_grad for g in unit.param_groups):
+            _end_unit_backward(unit)  # every trainable group is in (else _finalize_backward ends it)
 
 
 def _reduce_group(unit: Unit, group: ShardedParamGroup) -> None:
+    """Free the group's full parameters and put its gradients in the unit's bucket, which
+    reduce-scatters them at once or with the groups after them (collectives.GradBucket)."""
     barrier = unit.options.optimization_barrier_in_backward
     grads = [p.grad for p in group.full_params if p.grad is not None]
     group.free()
     if barrier:
         _xla.optimization_barrier_([group.shard] + grads)
-    reduced = group.reduce_grads(barrier)
-    if barrier and reduced is not None:
-        unit.root_state.backward_deps.append(reduced)
+    _note_reduced(unit, unit.grad_bucket.add(group, barrier))
+
+
+def _end_unit_backward(unit: Unit) -> None:
+    """Every gradient of the unit is in: reduce what its bucket still holds."""
+    _note_reduced(unit, unit.grad_bucket.end_backward(unit.options.optimization_barrier_in_backward))
+
+
+def _note_reduced(unit: Unit, reduced: List[torch.Tensor]) -> None:
+    if unit.options.optimization_barrier_in_backward:
+        unit.root_state.backward_deps.extend(reduced)
 
 
 @torch.no_grad()
@@ -256,6 +270,7 @@ def _finalize_backward(state: RootState) -> None:
             elif group.has_pending_grads:
                 _reduce_group(unit, group)
             group.free()
+        _end_unit_backward(unit)
         unit.training_state = TrainingState.IDLE
     root = state.root
     if root.options.optimization_barrier_in_backward:

@@ -83,12 +83,15 @@ class FsdpOptions:
     pin_layout_in_collective_ops: bool = _option(
         True, "torch_xla's layout pinning of collectives (the XLA:CPU form never pins).",
     )
-    reduce_scatter_bucket_size_mb: Optional[int] = _option(
-        0, "Reduce-scatter a unit's gradients in buckets of up to this many MiB, one collective per "
-        "bucket (0: one reduce-scatter per parameter group).",
+    reduce_scatter_bucket_size_mb: Optional[float] = _option(
+        0, "Reduce-scatter a unit's gradients in buckets, one collective per bucket: a bucket is "
+        "reduced once it holds more than this many MiB (torch_xla's rule), the rest when the unit's "
+        "backward ends (0: one reduce-scatter per parameter group). torch_xla takes an int; a float "
+        "is accepted too, for blocks smaller than 1 MiB.",
     )
     coalesce_all_gather_ops: bool = _option(
-        False, "Gather all of a unit's parameter groups in one collective.",
+        False, "Gather all of a unit's parameter groups in one collective (on XLA:CPU, their shards "
+        "packed into one all-gather).",
     )
     backward_prefetch: bool = _option(
         False, "In a unit's pre-backward hook also gather the unit backward needs next (PyTorch's "

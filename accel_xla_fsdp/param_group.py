@@ -6,8 +6,9 @@ no longer registered with their modules, and between uses the XLA tensor behind 
 1-element placeholder. Gathering points them at slices of an all-gathered tensor; freeing points
 them back at the placeholder, so nothing in Python holds the gathered value and the compiler can
 reuse its memory. Autograd only ever sees the full parameters as leaves: their ``.grad`` is the
-full gradient of this replica's batch, which the group reduce-scatters into the ``.grad`` of its
-shard, the one ``nn.Parameter`` the optimizer sees.
+full gradient of this replica's batch, which is reduce-scattered into the ``.grad`` of the group's
+shard, the one ``nn.Parameter`` the optimizer sees. The collectives themselves, for one group or
+several of a unit at once, are in collectives.py.
 
 Two layouts:
 * flat: the group's parameters (one, or all of a unit's when ``flatten_parameters``) are
@@ -128,33 +129,31 @@ class ShardedParamGroup:
     # -- gather and free --------------------------------------------------------------------
 
     @torch.no_grad()
-    def gather(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
-        """Point every full parameter at its slice of the all-gathered shards (idempotent).
+    def gather_input(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """This replica's shard as the all-gather takes it (``collectives.gather_groups``).
 
-        With ``deps``, the gather waits for them (see [Note: optimization barriers]). ``dtype``
-        defaults to the compute dtype; ``summon_full_params`` gathers in the shard's own dtype.
+        In ``dtype`` (default: the compute dtype; ``summon_full_params`` gathers in the shard's
+        own), computed only after ``deps`` (see [Note: optimization barriers]), and on a TPU's
+        flat layout in torch_xla's (-1, 128) tiles, which gather faster than a long vector.
         """
-        if self.gathered:
-            return
         shard = self.shard.detach().to(dtype or self.options.compute_dtype)
         if deps is not None:
             shard = _xla.order_after(shard, deps)
-        full = self._all_gather(shard)
-        if deps is not None:
-            _xla.optimization_barrier_([full])
+        if self._tiled:
+            return shard.view(-1, self.options.shard_size_multiple)
+        return shard
+
+    @torch.no_grad()
+    def adopt_gathered(self, gathered: torch.Tensor) -> None:
+        """Point every full parameter at its slice of the all-gathered ``gather_input``."""
+        full = gathered.flatten() if self._tiled else gathered
         for slot in self.slots:
             _xla.replace_data(slot.param, self._view(full, slot))
         self.gathered = True
 
-    def _all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.sharding.world_size == 1:
-            return shard
-        multiple = self.options.shard_size_multiple
-        pin = self.options.pin_layout_in_collective_ops
-        if not self.spec.dim0 and multiple > 1:
-            # torch_xla's TPU form: gather (-1, 128) tiles rather than a long vector.
-            return _xla.all_gather(shard.view(-1, multiple), self.sharding.groups, pin).flatten()
-        return _xla.all_gather(shard, self.sharding.groups, pin)
+    @property
+    def _tiled(self) -> bool:
+        return not self.spec.dim0 and self.options.shard_size_multiple > 1
 
     @torch.no_grad()
     def free(self) -> None:
@@ -238,26 +237,35 @@ class ShardedParamGroup:
         self._grads_seen = 0
 
     @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @property
     def has_pending_grads(self) -> bool:
         return any(slot.param.grad is not None for slot in self.slots)
 
     @torch.no_grad()
-    def reduce_grads(self, barrier: bool) -> Optional[torch.Tensor]:
-        """Reduce-scatter the full gradients (mean over the group) into ``shard.grad``.
-
-        The full gradients are dropped. Returns the reduced shard gradient (for barriers), or None
-        when no parameter of the group received a gradient.
-        """
+    def take_full_grad(self) -> Optional[torch.Tensor]:
+        """The full gradients, padded and joined as the reduce-scatter takes them, in the reduce
+        dtype; they are dropped from the full parameters. None when no parameter of the group
+        received a gradient."""
         self._grads_seen = 0
         grads = [slot.param.grad for slot in self.slots]
         if all(g is None for g in grads):
             return None
         for slot in self.slots:
             slot.param.grad = None
-        full = self._pad(self._join(self._fill_missing(grads))).to(self.options.reduce_dtype)
-        if barrier:
-            _xla.optimization_barrier_([full])
-        reduced = self._reduce_scatter(full).to(self.shard.dtype)
+        return self._pad(self._join(self._fill_missing(grads))).to(self.options.reduce_dtype)
+
+    def _fill_missing(self, grads: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+        ref = next(g for g in grads if g is not None)
+        return [g if g is not None else ref.new_zeros(s.shape) for g, s in zip(grads, self.slots)]
+
+    @torch.no_grad()
+    def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
+        """Accumulate this replica's reduced shard of the gradient into ``shard.grad``; returns
+        it in the shard's dtype (for barriers)."""
+        reduced = reduced.to(self.shard.dtype)
         if barrier:
             _xla.optimization_barrier_([reduced])
         if self.shard.grad is None:
@@ -265,15 +273,3 @@ class ShardedParamGroup:
         else:
             self.shard.grad += reduced
         return reduced
-
-    def _fill_missing(self, grads: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
-        ref = next(g for g in grads if g is not None)
-        return [g if g is not None else ref.new_zeros(s.shape) for g, s in zip(grads, self.slots)]
-
-    def _reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
-        world = self.sharding.world_size
-        if world == 1:
-            return full
-        return _xla.reduce_scatter_sum(
-            full, world, 1.0 / world, self.sharding.groups, self.options.pin_layout_in_collective_ops
-        )

@@ -97,6 +97,7 @@ class Variant:
     label: str
     kind: str  # "replica": one thread per device (run_on_devices); "spmd": one thread, all devices
     device_counts: Tuple[int, ...] = (1, 2, 4)
+    main: bool = True  # in this script's default run; False: scripts/benchmark_collectives.py's
 
 
 VARIANTS: Dict[str, Variant] = {
@@ -109,6 +110,12 @@ VARIANTS: Dict[str, Variant] = {
         Variant("torch_xla-spmd", "torch_xla SpmdFullyShardedDataParallel", "spmd"),
         Variant("ddp", "no sharding, data parallel (one flat gradient bucket)", "replica", (2, 4)),
         Variant("no-sharding", "no sharding, one device, whole batch", "replica", (1,)),
+        Variant("ours-coalesce", "ours, flatten_parameters=False, coalesce_all_gather_ops=True", "replica", (2, 4), False),
+        Variant("ours-bucket25", "ours, flatten_parameters=False, reduce_scatter_bucket_size_mb=25", "replica", (2, 4), False),
+        Variant(
+            "ours-coalesce-bucket25", "ours, flatten_parameters=False, coalesce_all_gather_ops=True, "
+            "reduce_scatter_bucket_size_mb=25", "replica", (2, 4), False,
+        ),
     )
 }
 
@@ -178,9 +185,10 @@ def param_numels(s: Settings) -> Tuple[int, int]:
 AfterBackward = Callable[[], None]
 
 
-def wrap_ours(model: nn.Module, flatten: bool, prefetch: bool = False) -> Tuple[nn.Module, AfterBackward]:
+def wrap_ours(model: nn.Module, flatten: bool, prefetch: bool = False, **options: object) -> Tuple[nn.Module, AfterBackward]:
     wrapped = accel_xla_fsdp.XlaFullyShardedDataParallel(
-        model, auto_wrap_policy=transformer_block_policy(), flatten_parameters=flatten, backward_prefetch=prefetch
+        model, auto_wrap_policy=transformer_block_policy(), flatten_parameters=flatten, backward_prefetch=prefetch,
+        **options,
     )
     return wrapped, lambda: None
 
@@ -209,6 +217,11 @@ WRAPPERS: Dict[str, Callable[[nn.Module], Tuple[nn.Module, AfterBackward]]] = {
     "ours-flat": functools.partial(wrap_ours, flatten=True),
     "ours": functools.partial(wrap_ours, flatten=False),
     "ours-prefetch": functools.partial(wrap_ours, flatten=True, prefetch=True),
+    "ours-coalesce": functools.partial(wrap_ours, flatten=False, coalesce_all_gather_ops=True),
+    "ours-bucket25": functools.partial(wrap_ours, flatten=False, reduce_scatter_bucket_size_mb=25),
+    "ours-coalesce-bucket25": functools.partial(
+        wrap_ours, flatten=False, coalesce_all_gather_ops=True, reduce_scatter_bucket_size_mb=25
+    ),
     "torch_xla-fsdp": wrap_torch_xla_fsdp,
     "ddp": wrap_ddp,
     "no-sharding": wrap_plain,
@@ -637,8 +650,9 @@ def reference_step(rows: Sequence[Row]) -> float:
     return next((r.median_s for r in rows if r.variant == "no-sharding" and not r.error), float("nan"))
 
 
-def variant_list() -> str:
-    return "\n".join(f"- **{v.name}**: {v.label}" for v in VARIANTS.values())
+def variant_list(rows: Sequence[Row]) -> str:
+    ran = {r.variant for r in rows}
+    return "\n".join(f"- **{v.name}**: {v.label}" for v in VARIANTS.values() if v.name in ran)
 
 
 def markdown_table(rows: Sequence[Row], ideal: Optional[Ideal]) -> str:
@@ -827,7 +841,7 @@ rounds over the whole table.
 - **torch_xla-spmd** is `SpmdFullyShardedDataParallel` under `xr.use_spmd()`, one thread driving
   every device; the others run one thread per device (`run_on_devices`).
 
-{variant_list()}
+{variant_list(rows)}
 
 {markdown_table(rows, ideal)}
 
@@ -846,7 +860,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 and 2 devices, 2 timed steps, into out/")
     p.add_argument("--devices", type=int, nargs="+", help="device counts (default 1 2 4)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[v.name for v in VARIANTS.values() if v.main])
     p.add_argument("--steps", type=int, help=f"timed steps after the warm-up (default {Settings.timed_steps})")
     p.add_argument("--markdown", type=Path, help="default docs/benchmark.md (--quick: out/benchmark-quick.md)")
     p.add_argument("--plot", type=Path, help="default: the markdown's path with .png")

@@ -24,6 +24,11 @@ ADAM_ATOL = 1e-5
 FLAT = (("flatten_parameters", True),)
 DIM0 = (("shard_param_on_dim_0", True),)
 NO_RESHARD = (("reshard_after_forward", False),)
+COALESCE = (("coalesce_all_gather_ops", True),)
+# The tiny Llama's decoder block holds 9280 parameters (37 KB of float32 gradients): 1 MiB makes
+# one bucket per unit, 0.01 MiB (10.5 KB) several.
+BUCKET_1MB = (("reduce_scatter_bucket_size_mb", 1),)
+SMALL_BUCKETS = (("reduce_scatter_bucket_size_mb", 0.01),)
 
 CASES = [
     # Every sharding layout, with and without resharding after forward.
@@ -47,6 +52,13 @@ CASES = [
     # ... with activation checkpointing in every block, and with backward prefetch.
     Case("llama", optimizer="sgd", checkpoint=True),
     Case("llama", FLAT + (("backward_prefetch", True),), optimizer="sgd"),
+    # Per-parameter shards gathered in one collective per unit, reduced in buckets (collectives.py);
+    # sharding groups (buckets are per unit); frozen parameters and dim-0 shards of several shapes.
+    Case("llama", COALESCE),
+    Case("llama", SMALL_BUCKETS, optimizer="adamw", accumulation=2),
+    Case("llama", COALESCE + BUCKET_1MB, optimizer="sgd", clip=1.0),
+    Case("moe", COALESCE + SMALL_BUCKETS),
+    Case("frozen_odd", DIM0 + COALESCE + BUCKET_1MB),
 ]
 
 
