@@ -171,6 +171,10 @@ def _remove_other_saves(root: Path, keep: str) -> None:
 def _barrier() -> None:
     """Every replica reaches this point before any leaves it (a one-element collective)."""
     flag = _xla.all_reduce(torch.ones((), device=_xla.device()), "sum", None, True)
+    # Run it at a sync, where replicas take turns (one compiles, the others reuse the program):
+    # read back directly, every replica would compile it at once, and a replica that reaches
+    # the collective over 10 s late ends the process on XLA:CPU.
+    _xla.sync()
     flag.cpu()
 
 
