@@ -210,7 +210,10 @@ def local_slice(batch: Tuple[torch.Tensor, ...], rank: int) -> Tuple[torch.Tenso
 
 def compute_loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if name == "llama":
-        return model(input_ids=x, labels=x).loss
+        # With a mask, transformers 5 does not read position ids back to the host to look for
+        # packed sequences: a read each replica thread compiles at once, which torch_xla 2.9 has
+        # crashed on (SIGSEGV, seen once in a full run).
+        return model(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss
     out = model(x)
     if name == "tied_transformer":
         return F.cross_entropy(out.reshape(-1, out.size(-1)).float(), y.reshape(-1))
