@@ -118,7 +118,7 @@ def test_no_sync_on_a_transformers_model(pool) -> None:
 
 
 def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids).logits
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits  # see models.compute_loss
 
 
 def evaluate_between_steps(rank: int, world: int, layout: str) -> Dict[str, Any]:
