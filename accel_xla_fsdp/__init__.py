@@ -17,6 +17,8 @@ from .wrap import (
 )
 
 __all__ = [
+    "Accelerator",
+    "XlaFsdpPlugin",
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
     "save_sharded",
@@ -39,3 +41,12 @@ __all__ = [
     "size_based_auto_wrap_policy",
     "lambda_auto_wrap_policy",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``Accelerator`` and ``XlaFsdpPlugin`` import Accelerate: only when asked for."""
+    if name in ("Accelerator", "XlaFsdpPlugin"):
+        from . import integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module 'accel_xla_fsdp' has no attribute {name!r}")

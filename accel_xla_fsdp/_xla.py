@@ -282,6 +282,103 @@ _original_step_marker = _install_step_marker()
 
 
 # ---------------------------------------------------------------------------------------------
+# Host rendezvous between replica threads
+#
+# ``xm.rendezvous`` (and ``xm.mesh_reduce``, built on it) exchange host values through an
+# all-gather without a channel id, which hangs on XLA:CPU devices (the platform note). Accelerate's
+# ``wait_for_everyone``, ``main_process_first`` and ``broadcast`` call them. When the replicas are
+# threads of one process they can simply hand each other the values, so importing this module puts
+# that in torch_xla's place for them; everywhere else torch_xla's own runs.
+
+
+class _Exchange:
+    """Replica threads of one process hand each other one value each, in rank order."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.barrier = threading.Barrier(num_replicas)
+        self.values: List[Any] = [None] * num_replicas
+
+    def all_gather(self, rank: int, value: Any, tag: str) -> List[Any]:
+        self.values[rank] = value
+        self._wait(rank, tag)
+        values = list(self.values)
+        self._wait(rank, tag)  # nobody writes the next exchange's value before all have read this one
+        return values
+
+    def _wait(self, rank: int, tag: str) -> None:
+        try:
+            self.barrier.wait(_sync_timeout_s)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"replica {rank} waited {_sync_timeout_s:.0f} s at rendezvous '{tag}' for the other "
+                "replicas. Every replica must reach the same rendezvous (wait_for_everyone, gather, "
+                "reduce, broadcast, saving a checkpoint) in the same order."
+            ) from None
+
+
+_exchange: Optional[_Exchange] = None
+
+
+def replicas_are_threads() -> bool:
+    """True in a replica thread on XLA:CPU whose process runs every replica as a thread: host
+    values then pass between replicas in memory, and device collectives need the CPU form."""
+    replicas = _replica_threads()
+    return replicas > 1 and replicas == world_size()
+
+
+def exchange(value: Any, tag: str = "exchange") -> List[Any]:
+    """Every replica thread's ``value``, by rank (``replicas_are_threads()`` must hold). The
+    values are shared, not copied: treat them as read-only."""
+    global _exchange
+    with _turns_lock:
+        if _exchange is None:
+            _exchange = _Exchange(_replica_threads())
+    return _exchange.all_gather(global_rank(), value, tag)
+
+
+def broadcast_from_rank0_(tensors: Sequence[torch.Tensor]) -> None:
+    """In place: every replica's ``tensors`` take rank 0's values (Accelerate's
+    ``sync_module_states``). On a TPU they must be on the device already (torch_xla's
+    ``collective_broadcast``); between replica threads they may be anywhere."""
+    if not replicas_are_threads():
+        xm.collective_broadcast(list(tensors))
+        return
+    rank0 = exchange([t.detach().cpu() for t in tensors] if global_rank() == 0 else None, "broadcast_from_rank0")[0]
+    if global_rank() != 0:
+        with torch.no_grad():
+            for mine, theirs in zip(tensors, rank0):
+                mine.copy_(theirs.to(mine.device))
+    exchange(None, "broadcast_from_rank0 done")  # rank 0's tensors are read; it may change them
+
+
+def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) -> List[bytes]:
+    if not replicas_are_threads():
+        return _original_rendezvous(tag, payload, list(replicas))
+    if replicas and sorted(replicas) != list(range(world_size())):
+        raise NotImplementedError(f"xm.rendezvous('{tag}') among some replicas only ({list(replicas)}) on XLA:CPU threads")
+    return exchange(payload, tag)
+
+
+def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[List[Any]], Any]) -> Any:
+    if replicas_are_threads():
+        # torch_xla reads ``data`` back to the host; run pending work at a boundary first, where
+        # replicas take turns, not in a read-back that every replica launches at once.
+        sync()
+    return _original_mesh_reduce(tag, data, reduce_fn)
+
+
+def _install_rendezvous() -> Tuple[Callable[..., Any], Callable[..., Any]]:
+    originals = tuple(getattr(f, "torch_xla_original", f) for f in (xm.rendezvous, xm.mesh_reduce))
+    for ours, original in zip((_rendezvous, _mesh_reduce), originals):
+        ours.torch_xla_original = original
+    xm.rendezvous, xm.mesh_reduce = _rendezvous, _mesh_reduce
+    return originals
+
+
+_original_rendezvous, _original_mesh_reduce = _install_rendezvous()
+
+
+# ---------------------------------------------------------------------------------------------
 # Tensor storage and the compiler
 
 

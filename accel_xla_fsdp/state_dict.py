@@ -28,6 +28,22 @@ def original_name(name: str) -> str:
     return name.replace(f"{WRAPPED_MODULE}.", "")
 
 
+def full_name(prefix: str, name: str) -> str:
+    """The name in the unwrapped model of parameter ``name`` of the unit at ``prefix``."""
+    return original_name(join(prefix, WRAPPED_MODULE, name))
+
+
+def shards_by_name(root: Unit) -> Dict[str, torch.nn.Parameter]:
+    """Each parameter's name in the unwrapped model (tied names too) -> the shard holding it."""
+    shards = {}
+    for prefix, unit in named_units(root):
+        for group in unit.param_groups:
+            for slot in group.slots:
+                for name in (slot.name, *slot.aliases):
+                    shards[full_name(prefix, name)] = group.shard
+    return shards
+
+
 def named_units(root: Unit) -> List[Tuple[str, Unit]]:
     """Every unit under ``root`` (itself first) with its name under the root."""
     from .fsdp import XlaFullyShardedDataParallel  # the wrapper imports this module
@@ -47,8 +63,7 @@ def full_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
         for prefix, unit in named_units(root):
             for group in unit.param_groups:
                 for slot in group.slots:
-                    name = original_name(join(prefix, WRAPPED_MODULE, slot.name))
-                    state[name] = slot.param.detach().cpu()
+                    state[full_name(prefix, slot.name)] = slot.param.detach().cpu()
     for name, buf in root.named_buffers():
         orig = buffer_original_dtype(root, name)
         state[original_name(name)] = buf.detach().cpu().to(orig or buf.dtype)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from .. import _xla
 from ..fsdp import XlaFullyShardedDataParallel
 from ..param_group import ParamSlot, ShardedParamGroup
-from ..state_dict import WRAPPED_MODULE, buffer_original_dtype, join, named_units, original_name
+from ..state_dict import buffer_original_dtype, full_name, join, named_units, original_name
 from .format import (
     BUFFER, FORMAT, META_KEY, MODEL, OPTIM, RECORD, CheckpointError, GroupEntry, ParamEntry, RankMeta,
     ShardedCheckpoint, dtype_name, read_record, rank_file_name,
@@ -220,11 +220,6 @@ def fill_group(group: ShardedParamGroup, prefix: str, source: ParamSource) -> No
     """Copy this replica's part of every parameter of ``group`` from ``source`` into its shard."""
     values = group.local_values(lambda slot, a, b: source.read_param(full_name(prefix, slot.name), a, b))
     group.shard.copy_(values.to(group.shard.device))
-
-
-def full_name(prefix: str, name: str) -> str:
-    """A slot's name in the unwrapped model's state dict."""
-    return original_name(join(prefix, WRAPPED_MODULE, name))
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, groups: List[Tuple[str, str, ShardedParamGroup]], ckpt: ShardedCheckpoint) -> None:

@@ -1,0 +1,14 @@
+"""Hugging Face Accelerate with XLA FSDP: ``Accelerator`` and ``XlaFsdpPlugin``.
+
+Importing this package in the launcher process of ``accelerate launch`` passes the config file's
+XLA FSDP settings on to the replicas (launch.py): a training script imports ``Accelerator`` from
+``accel_xla_fsdp`` at module level.
+"""
+
+from .accelerator import Accelerator
+from .launch import export_launch_settings
+from .plugin import XlaFsdpPlugin
+
+export_launch_settings()
+
+__all__ = ["Accelerator", "XlaFsdpPlugin"]

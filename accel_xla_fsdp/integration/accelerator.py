@@ -1,0 +1,319 @@
+"""``accel_xla_fsdp.Accelerator``: Accelerate's ``Accelerator`` with XLA FSDP behind ``prepare()``.
+
+What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
+
+- ``prepare`` shards each model by the ``XlaFsdpPlugin`` settings and moves the user's optimizer
+  onto the shards (Accelerate's XLA path would remap the optimizer by parameter name, which
+  wrapping changes).
+- ``mixed_precision="bf16"`` becomes the engine's compute dtype (gathered parameters and
+  activations in bfloat16; shards, gradients and optimizer state in float32) instead of autocast.
+  fp16 is refused: XLA devices train in bf16.
+- Gradients are reduce-scattered in backward, once: the optimizer wrapper's all-reduce and
+  ``clip_grad_norm_``'s are skipped, and ``clip_grad_norm_`` takes the norm over every shard.
+- ``gather``, ``reduce``, ``pad_across_processes`` and shuffled dataloaders work on XLA:CPU
+  replica threads (replica_threads.py); ``wait_for_everyone`` and ``main_process_first`` do
+  through _xla.py's rendezvous. On a TPU, Accelerate's own forms run.
+- ``save_state`` / ``load_state`` write and read sharded checkpoints (checkpoints.py);
+  ``get_state_dict``, ``unwrap_model`` and ``save_model`` give the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import accelerate
+import torch
+import torch.nn as nn
+from accelerate.data_loader import DataLoaderShard, MpDeviceLoaderWrapper
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, synchronize_rng_states
+
+from .. import _xla
+from ..checkpointing import checkpoint_module
+from ..fsdp import XlaFullyShardedDataParallel
+from ..state_dict import shards_by_name
+from . import checkpoints, replica_threads
+from .optimizer import XlaFsdpOptimizer, move_onto_shards, parameter_names
+from .plugin import XlaFsdpPlugin, _PluginBase
+
+logger = get_logger(__name__)
+
+_COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16}
+
+
+def compute_dtype_for(mixed_precision: str) -> torch.dtype:
+    if mixed_precision not in _COMPUTE_DTYPES:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not offered with XLA FSDP: use 'bf16' (computation "
+            "in bfloat16, float32 master weights) or 'no'. XLA devices have no fp16 loss scaling."
+        )
+    return _COMPUTE_DTYPES[mixed_precision]
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` whose ``prepare()`` shards models with XLA FSDP.
+
+    Takes Accelerate's arguments; ``fsdp_plugin`` may be an ``XlaFsdpPlugin`` (default: one
+    read from the environment and the ``accelerate launch`` config file).
+    """
+
+    def __init__(self, *args: Any, fsdp_plugin: Optional[Any] = None, mixed_precision: Optional[str] = None, **kwargs: Any) -> None:
+        if fsdp_plugin is not None and not isinstance(fsdp_plugin, _PluginBase):
+            raise TypeError(
+                f"fsdp_plugin must be an accel_xla_fsdp.XlaFsdpPlugin, got {type(fsdp_plugin).__name__} "
+                "(Accelerate's FullyShardedDataParallelPlugin is for GPUs)"
+            )
+        requested = str(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
+        self.compute_dtype = compute_dtype_for(requested)
+        self.xla_fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else XlaFsdpPlugin()
+        # Autocast stays off: the engine computes in the compute dtype itself.
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        self._requested_mixed_precision = requested
+        if self.distributed_type != DistributedType.XLA:
+            raise RuntimeError(
+                f"accel_xla_fsdp.Accelerator needs XLA devices, but Accelerate chose {self.distributed_type}: "
+                "launch with a config whose distributed_type is XLA (plugins/xla_fsdp_cpu.yaml)"
+            )
+        _set_local_process_index(self.state)
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._requested_mixed_precision
+
+    # -- prepare -------------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        """Accelerate's ``prepare``, after sharding the models and moving their optimizers onto the shards."""
+        args = list(args)
+        renamed: Dict[int, str] = {}
+        shards: Dict[str, nn.Parameter] = {}
+        for i, obj in enumerate(args):
+            if isinstance(obj, nn.Module) and not isinstance(obj, XlaFullyShardedDataParallel):
+                renamed.update(parameter_names(obj))
+                args[i] = self.shard_model(obj)
+                shards.update(shards_by_name(args[i]))
+        if renamed:
+            for obj in args:
+                if isinstance(obj, torch.optim.Optimizer):
+                    move_onto_shards(obj, renamed, shards, "model")
+        return super().prepare(*args, device_placement=device_placement)
+
+    def shard_model(self, model: nn.Module) -> XlaFullyShardedDataParallel:
+        """``model`` wrapped by the plugin's settings, every replica starting from rank 0's weights
+        if ``fsdp_sync_module_states``; ``transformers``' gradient checkpointing becomes ours."""
+        plugin = self.xla_fsdp_plugin
+        if plugin.sync_module_states and self.num_processes > 1:
+            if not _xla.replicas_are_threads():
+                model.to(self.device)  # torch_xla's broadcast runs on the device
+            _xla.broadcast_from_rank0_([*model.parameters(), *model.buffers()])
+        blocks = _take_over_gradient_checkpointing(model)
+        wrapped = plugin.wrap(model, self.compute_dtype, checkpoint_blocks=plugin.activation_checkpointing and not blocks)
+        logger.info(f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units")
+        return wrapped
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+        if not isinstance(model, XlaFullyShardedDataParallel):
+            model = self.shard_model(model)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        if isinstance(optimizer, XlaFsdpOptimizer):
+            return optimizer
+        prepared = XlaFsdpOptimizer(optimizer, device_placement=self.device_placement if device_placement is None else device_placement)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        prepared = super().prepare_data_loader(data_loader, *args, **kwargs)
+        loader = _iterated_in_place(prepared, self.device)
+        self._dataloaders[self._dataloaders.index(prepared)] = loader
+        return loader
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """``dataloader``'s next pass without its first ``num_batches`` (for resuming mid-epoch)."""
+        if not isinstance(dataloader, XlaDataLoader):
+            return super().skip_first_batches(dataloader, num_batches)
+        return XlaDataLoader(dataloader.shard, dataloader.rng_types, num_batches)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip by the norm of the whole gradient (every replica's shards): pass ``model.parameters()``."""
+        wanted = {id(p) for p in parameters}
+        for model in self._models:
+            if isinstance(model, XlaFullyShardedDataParallel) and wanted == {id(p) for p in model.parameters()}:
+                return model.clip_grad_norm_(max_norm, norm_type)
+        raise ValueError(
+            "clip_grad_norm_ with XLA FSDP takes the parameters of a whole prepared model "
+            "(model.parameters()): the norm is over the shards of every replica"
+        )
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def gather(self, tensor: Any) -> Any:
+        return replica_threads.gather(tensor) if _xla.replicas_are_threads() else super().gather(tensor)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        if _xla.replicas_are_threads():
+            return replica_threads.reduce(tensor, reduction, scale)
+        return super().reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        if _xla.replicas_are_threads():
+            return replica_threads.pad_across_processes(tensor, dim, pad_index, pad_first)
+        return super().pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    # -- whole model -----------------------------------------------------------------------------
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+        """The model inside the FSDP wrapper. Its parameters are not filled between forwards: take
+        its weights from ``get_state_dict(model)``."""
+        if isinstance(model, XlaFullyShardedDataParallel):
+            model = model.module
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
+        """The whole model's state dict on the CPU, on every replica (call it on every replica)."""
+        if isinstance(model, XlaFullyShardedDataParallel):
+            return model.full_state_dict()
+        return super().get_state_dict(model, unwrap)
+
+    def save_model(self, model: nn.Module, save_directory: Any, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
+        """The whole model in the Hugging Face layout (``config.json`` too for a ``transformers``
+        model, which ``from_pretrained`` then loads). Call on every replica; the main one writes."""
+        if not isinstance(model, XlaFullyShardedDataParallel):
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        state = model.full_state_dict()
+        if self.is_main_process:
+            inner = model.module
+            if hasattr(inner, "save_pretrained"):
+                inner.save_pretrained(save_directory, state_dict=state, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+            else:
+                from huggingface_hub import save_torch_state_dict
+
+                save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        self.wait_for_everyone()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Sharded checkpoint of every prepared model and optimizer, plus Accelerate's own state."""
+        if not any(isinstance(m, XlaFullyShardedDataParallel) for m in self._models):
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming:
+            root = Path(self.project_dir) / "checkpoints"
+            folder = root / f"checkpoint_{self.save_iteration}"
+        elif output_dir is None:
+            raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        else:
+            folder = Path(output_dir).expanduser()
+        full = self.xla_fsdp_plugin.state_dict_type == "full_state_dict"
+        checkpoints.save(self, folder, self._model_optimizer_pairs(), full)
+        if config.automatic_checkpoint_naming and self.is_main_process:
+            checkpoints.rotate(root, config.total_limit)
+        self.wait_for_everyone()
+        config.iteration += 1
+        logger.info(f"Saved the state to {folder}")
+        return str(folder)
+
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+        """Load a ``save_state`` folder (the newest numbered one with automatic naming), on any
+        number of replicas; later automatic saves are numbered after it."""
+        if not any(isinstance(m, XlaFullyShardedDataParallel) for m in self._models):
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        config = self.project_configuration
+        if input_dir is not None:
+            folder = Path(input_dir).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"load_state: {folder} is not a folder")
+        elif config.automatic_checkpoint_naming:
+            found = checkpoints.numbered_checkpoints(Path(self.project_dir) / "checkpoints")
+            if not found:
+                raise ValueError(f"load_state: no checkpoint_<n> folder under {self.project_dir}/checkpoints")
+            folder = found[-1]
+        else:
+            raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        restored = checkpoints.load(self, folder, self._model_optimizer_pairs(), load_kwargs)
+        if "step" in restored:
+            self.step = restored["step"]
+        number = checkpoints.checkpoint_number(folder)
+        if config.automatic_checkpoint_naming and number is not None:
+            config.iteration = number + 1
+        logger.info(f"Loaded the state from {folder}")
+
+    def _model_optimizer_pairs(self) -> List[checkpoints.ModelAndOptimizer]:
+        models = [m for m in self._models if isinstance(m, XlaFullyShardedDataParallel)]
+        return checkpoints.pair_optimizers(models, self._optimizers)
+
+
+def _set_local_process_index(state: Any) -> None:
+    """On XLA:CPU Accelerate reads the local rank from ``LOCAL_RANK``, which nothing sets (so no
+    replica is the local main process); replica threads are all local: it is the rank."""
+    if _xla.replicas_are_threads() and state.local_process_index < 0:
+        for shared in (state, accelerate.PartialState()):
+            shared.local_process_index = state.process_index
+
+
+def _take_over_gradient_checkpointing(model: nn.Module) -> List[nn.Module]:
+    """The blocks ``gradient_checkpointing_enable()`` checkpoints, checkpointed our way instead.
+
+    ``transformers`` checkpoints with ``torch.utils.checkpoint``, whose recomputation the XLA
+    compiler merges back into the forward (no memory saved) and which would run FSDP's gathers
+    inside the recomputation; ``checkpoint_module`` survives the compiler (checkpointing.py).
+    """
+    blocks = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if blocks and hasattr(model, "gradient_checkpointing_disable"):
+        model.gradient_checkpointing_disable()
+        for block in blocks:
+            checkpoint_module(block)
+    return blocks
+
+
+class XlaDataLoader:
+    """Accelerate's dataloader shard, iterated in the replica's own thread.
+
+    On XLA Accelerate hands its shard to torch_xla's ``MpDeviceLoader``, whose background thread
+    iterates it ahead of the training loop: the shard then flags the end of the dataloader when
+    the thread reaches it, not when the loop does, and ``accumulate`` syncs gradients on every
+    micro-step from that moment, in some replicas and not others (measured: 2 of 4 replicas
+    skipped the reduction of the first micro-step, and the step's programs no longer matched).
+    Here the loop's own thread iterates, as on a GPU, and the step ends where the next batch is
+    asked for, as with ``MpDeviceLoader``. The shuffling seed is shared as Accelerate does, between
+    replica threads on XLA:CPU. Anything else is the shard's (``set_epoch``, ``total_batch_size``, ...).
+    """
+
+    def __init__(self, shard: DataLoaderShard, rng_types: Optional[List[str]], skip_batches: int = 0) -> None:
+        self.shard = shard
+        self.rng_types = rng_types
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.rng_types:
+            share = replica_threads.share_rng_states if _xla.replicas_are_threads() else synchronize_rng_states
+            share(self.rng_types, self.shard.synchronized_generator)
+        batches = iter(self.shard)
+        for _ in range(self.skip_batches):
+            next(batches, None)
+        while True:
+            _xla.sync()  # the step's graph ends here (MpDeviceLoader's mark_step)
+            try:
+                yield next(batches)
+            except StopIteration:
+                return
+
+    def __len__(self) -> int:
+        return len(self.shard) - self.skip_batches
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.shard, name)
+
+
+def _iterated_in_place(prepared: Any, device: torch.device) -> Any:
+    """Accelerate's XLA dataloader as an ``XlaDataLoader`` on ``device`` (others unchanged)."""
+    if not isinstance(prepared, MpDeviceLoaderWrapper) or not isinstance(prepared._loader, DataLoaderShard):
+        return prepared
+    prepared._loader.device = device
+    return XlaDataLoader(prepared._loader, prepared._rng_types)

@@ -1,0 +1,90 @@
+"""The user's optimizer, moved onto the shards; and its Accelerate wrapper, which must not reduce.
+
+A script builds its optimizer on the unwrapped model's parameters, often in param groups (no
+weight decay for biases and norms). Wrapping replaces those parameters by shards, so ``prepare``
+points each group at the shards of its parameters, in place: the optimizer object, its class,
+hyper-parameters and groups stay the user's.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+from accelerate.optimizer import AcceleratedOptimizer
+
+
+def parameter_names(model: nn.Module) -> Dict[int, str]:
+    """``id(parameter) -> name`` for the unwrapped model (a tied parameter under its first name)."""
+    return {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+
+
+def move_onto_shards(
+    optimizer: torch.optim.Optimizer, names: Dict[int, str], shards: Dict[str, nn.Parameter], model_name: str
+) -> None:
+    """Point ``optimizer``'s groups at the shards holding their parameters.
+
+    ``names`` names the unwrapped model's parameters, ``shards`` gives each name's shard. A flat
+    shard holds several parameters: they must all be in groups with the same hyper-parameters.
+    """
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} has already stepped: prepare it before its first step, together "
+            f"with the model, so that it can be moved onto the shards"
+        )
+    owner: Dict[int, int] = {}  # id(shard) -> index of the group that holds it
+    new_params: List[List[nn.Parameter]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        params: List[nn.Parameter] = []
+        for p in group["params"]:
+            shard = _shard_of(p, names, shards, optimizer, model_name)
+            first = owner.setdefault(id(shard), index)
+            if first == index and all(s is not shard for s in params):
+                params.append(shard)
+            elif first != index:
+                _check_same_hyperparameters(optimizer, first, index, names[id(p)])
+        new_params.append(params)
+    for group, params in zip(optimizer.param_groups, new_params):
+        group["params"] = params
+
+
+def _shard_of(
+    p: torch.Tensor, names: Dict[int, str], shards: Dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, model_name: str
+) -> nn.Parameter:
+    name = names.get(id(p))
+    if name is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not in the "
+            f"{model_name} being prepared: build the optimizer from this model's parameters"
+        )
+    return shards[name]
+
+
+def _check_same_hyperparameters(optimizer: torch.optim.Optimizer, first: int, other: int, name: str) -> None:
+    a, b = (
+        {k: v for k, v in optimizer.param_groups[i].items() if k != "params"} for i in (first, other)
+    )
+    if a != b:
+        raise ValueError(
+            f"'{name}' shares a flat shard with parameters of another param group whose settings differ "
+            f"({_difference(a, b)}): one shard takes one set of hyper-parameters. Set "
+            "xla_fsdp_flatten_parameters: false (one shard per parameter), or use the same settings."
+        )
+
+
+def _difference(a: Dict, b: Dict) -> str:
+    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+class XlaFsdpOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper without its XLA all-reduce of gradients.
+
+    On XLA, ``AcceleratedOptimizer.step`` all-reduces every gradient before stepping. Under FSDP
+    each replica's gradients are already the reduced gradients of its own shards: averaging them
+    with other replicas' (different) shards would be wrong, so that reduction is marked done.
+    """
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.gradient_state.is_xla_gradients_synced = True
+        return super().step(closure)

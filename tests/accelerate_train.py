@@ -1,0 +1,114 @@
+"""A stock Accelerate training script, launched by the tests with the real ``accelerate launch``.
+
+Its one change for XLA FSDP is the ``Accelerator`` import. It trains a tiny Llama with gradient
+accumulation, clipping, a scheduler and a shuffled dataloader, can save and resume its state,
+and writes (main process) what the test compares against one plain model: each optimizer step's
+sample ids and per-replica losses, and the final full state dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from datasets import Dataset
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+
+from accel_xla_fsdp import Accelerator, seeded
+
+SEQ = 16
+VOCAB = 128
+MAX_NORM = 0.5
+ROWS = 128  # 16 global batches: one epoch covers every run
+
+
+def model_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="eager", use_cache=False,
+    )
+
+
+def dataset(rows: int) -> Dataset:
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(1234))
+    return Dataset.from_dict({"input_ids": ids.tolist(), "idx": list(range(rows))}).with_format("torch")
+
+
+def build_model() -> LlamaForCausalLM:
+    with seeded(0):
+        return LlamaForCausalLM(model_config())
+
+
+def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-3)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--project", required=True)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="global batch, split between the replicas")
+    p.add_argument("--save-at", type=int, default=0, help="save_state after this optimizer step")
+    p.add_argument("--resume", action="store_true")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    set_seed(0)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.accum,
+        project_config=ProjectConfiguration(args.project, automatic_checkpoint_naming=True, total_limit=2),
+        # Seedable sampler: the same order on any number of replicas; split batches: the scheduler
+        # steps once per optimizer step.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, split_batches=True),
+    )
+    model = build_model()
+    optimizer = optimizer_for(model)
+    loader = DataLoader(dataset(ROWS), batch_size=args.batch, shuffle=True)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 2, 2 * args.steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    step, batches = 0, iter(loader)
+    if args.resume:
+        accelerator.load_state()
+        step = accelerator.step // args.accum
+        batches = iter(accelerator.skip_first_batches(loader, accelerator.step))
+    record = {"steps": [], "world": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
+    while step < args.steps:
+        ids, losses, norms = [], [], []
+        for _ in range(args.accum):
+            batch = next(batches)
+            with accelerator.accumulate(model):
+                out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients:
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            ids.append(accelerator.gather(batch["idx"]).tolist())
+            losses.append(accelerator.gather(out.loss.detach()).tolist())
+        step += 1
+        record["steps"].append({"ids": ids, "losses": losses, "norm": norms[0], "lr": scheduler.get_last_lr()[0]})
+        if step == args.save_at:
+            accelerator.save_state()
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        Path(args.out).write_text(json.dumps(record))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(args.out).with_suffix(".safetensors")))
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
