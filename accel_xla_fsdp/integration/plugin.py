@@ -128,9 +128,11 @@ def parse_state_dict_type(key: str, value: Any) -> str:
 
 WRAP_SETTINGS: Tuple[Setting, ...] = (
     Setting(
-        "auto_wrap_policy", "fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap",
+        "auto_wrap_policy", "fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", None,
         "Which submodules become FSDP units of their own: TRANSFORMER_BASED_WRAP (the block classes "
-        "below), SIZE_BASED_WRAP (by fsdp_min_num_params), NO_WRAP (one unit), or a policy callable.",
+        "below), SIZE_BASED_WRAP (by fsdp_min_num_params), NO_WRAP (one unit), or a policy callable. "
+        "Unset: TRANSFORMER_BASED_WRAP for a model that names its blocks (transformers' "
+        "_no_split_modules) or when classes are given, else NO_WRAP.",
         parse_wrap_policy,
     ),
     Setting(
@@ -201,7 +203,7 @@ def config_help() -> Dict[str, str]:
 
 
 def _show(value: Any) -> str:
-    return "the model's _no_split_modules" if value is None else str(value)
+    return "unset" if value is None else str(value)
 
 
 class _PluginBase:
@@ -215,8 +217,9 @@ class _PluginBase:
                 value = os.environ[setting.env]
             if value is None:
                 value = config.get(setting.key)
-            value = setting.default if value is None else setting.parse(setting.key, value)
-            setattr(self, setting.name, value)
+            if value is not None:
+                value = setting.parse(setting.key, value)
+            setattr(self, setting.name, setting.default if value is None else value)
         self._check_consistent()
 
     def _check_consistent(self) -> None:
@@ -236,10 +239,13 @@ class _PluginBase:
     def engine_options(self, compute_dtype: torch.dtype) -> FsdpOptions:
         return FsdpOptions(compute_dtype=compute_dtype, **{s.name: getattr(self, s.name) for s in ENGINE_SETTINGS})
 
-    def wrap_policy(self) -> Optional[Policy]:
+    def wrap_policy(self, model: nn.Module) -> Optional[Policy]:
         policy = self.auto_wrap_policy
         if callable(policy):
             return policy
+        if policy is None:
+            names_blocks = any(getattr(m, "_no_split_modules", None) for m in model.modules())
+            policy = "transformer_based_wrap" if names_blocks or self.transformer_cls_names_to_wrap else "no_wrap"
         if policy == "transformer_based_wrap":
             return transformer_block_policy(self.transformer_cls_names_to_wrap)
         if policy == "size_based_wrap":
@@ -250,7 +256,7 @@ class _PluginBase:
         """``model`` sharded by these settings (block class names checked against it); with
         ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed."""
         options = self.engine_options(compute_dtype)
-        policy = self.wrap_policy()
+        policy = self.wrap_policy(model)
         wrapper = _checkpointed_unit if checkpoint_blocks else None
         root = checkpoint_module(model) if checkpoint_blocks and policy is None else model
         return XlaFullyShardedDataParallel(root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **options.as_arguments())

@@ -1,0 +1,167 @@
+"""``accel_xla_fsdp.Accelerator`` in replica threads: Accelerate's collectives on XLA:CPU devices,
+evaluation and ``generate`` through the prepared model, the plugin's settings, and clear errors.
+
+The training itself, launched by ``accelerate launch``, is in test_accelerate.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from accelerate.utils import broadcast
+from torch.utils.data import DataLoader
+
+import accelerate_train as script
+from accel_xla_fsdp import Accelerator, XlaFsdpPlugin
+from accel_xla_fsdp.checkpoint import CheckpointError
+from accel_xla_fsdp.integration.plugin import CONFIG_FILE_ENV
+
+_order: List[int] = []
+_order_lock = threading.Lock()
+
+
+def collectives(rank: int, world: int) -> Dict[str, Any]:
+    acc = Accelerator()
+    dev = acc.device
+    out: Dict[str, Any] = {
+        "gather": acc.gather(torch.tensor([rank, 10 + rank], device=dev)).cpu().tolist(),
+        "gather scalar": acc.gather(torch.tensor(float(rank), device=dev)).cpu().tolist(),
+        "gather dict": acc.gather({"a": torch.tensor([rank], device=dev)})["a"].cpu().tolist(),
+        "reduce sum": acc.reduce(torch.tensor([1.0 + rank], device=dev)).cpu().tolist(),
+        "reduce mean": acc.reduce(torch.tensor([1.0 + rank], device=dev), "mean").cpu().tolist(),
+        "pad": acc.pad_across_processes(torch.ones(rank + 1, 2, device=dev), dim=0, pad_index=-1).cpu().tolist(),
+        "broadcast": broadcast(torch.tensor([5.0 + rank], device=dev), from_process=1).tolist(),
+        "main": acc.is_main_process,
+        "local main": acc.is_local_main_process,
+    }
+    acc.wait_for_everyone()
+    with acc.main_process_first():
+        with _order_lock:
+            _order.append(rank)
+    acc.wait_for_everyone()
+    out["main first"] = _order[0]
+    # 10 samples over `world` replicas: the last batch is padded by repeating samples, which
+    # gather_for_metrics drops again.
+    loader = acc.prepare(DataLoader(torch.arange(10), batch_size=2, shuffle=True))
+    seen = [acc.gather_for_metrics(batch).cpu() for batch in loader]
+    out["metrics"] = sorted(torch.cat(seen).tolist())
+    return out
+
+
+def test_accelerate_collectives_on_replica_threads(pools) -> None:
+    world = 4
+    results = pools[world].run(collectives, world)
+    for rank, out in enumerate(results):
+        assert out["gather"] == [v for r in range(world) for v in (r, 10 + r)]
+        assert out["gather scalar"] == [float(r) for r in range(world)]
+        assert out["gather dict"] == list(range(world))
+        assert out["reduce sum"] == [sum(1.0 + r for r in range(world))]
+        assert out["reduce mean"] == [sum(1.0 + r for r in range(world)) / world]
+        assert out["pad"] == [[1.0, 1.0]] * (rank + 1) + [[-1.0, -1.0]] * (world - rank - 1)
+        assert out["broadcast"] == [6.0]
+        assert (out["main"], out["local main"]) == (rank == 0, rank == 0)
+        assert out["main first"] == 0
+        assert out["metrics"] == list(range(10)), "every sample once, in a shuffled order shared by all"
+
+
+def evaluation_and_generation(rank: int, world: int) -> Dict[str, torch.Tensor]:
+    acc = Accelerator()
+    plain = script.build_model().eval()
+    model = acc.prepare(script.build_model())
+    model.eval()
+    ids = torch.randint(0, script.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device)).logits.cpu()
+        tokens = model.generate(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device), max_new_tokens=4, do_sample=False).cpu()
+        plain_logits = plain(input_ids=ids, attention_mask=mask).logits
+        plain_tokens = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    return {"logits": logits, "tokens": tokens, "plain logits": plain_logits, "plain tokens": plain_tokens}
+
+
+def test_evaluation_and_generate_match_the_unwrapped_model(pools) -> None:
+    for out in pools[2].run(evaluation_and_generation, 2):
+        torch.testing.assert_close(out["logits"], out["plain logits"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out["tokens"], out["plain tokens"])
+
+
+def prepare_errors(rank: int, world: int, folder: str) -> Dict[str, str]:
+    acc = Accelerator()
+    errors: Dict[str, str] = {}
+
+    def caught(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the message is what is tested
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    other = torch.nn.Linear(4, 4)
+    caught("other optimizer", lambda: acc.prepare(script.build_model(), torch.optim.AdamW(other.parameters())))
+    caught("block class", lambda: Accelerator(fsdp_plugin=XlaFsdpPlugin(transformer_cls_names_to_wrap="GPT2Block")).prepare(script.build_model()))
+    flat = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=True))
+    model = script.build_model()
+    caught("flat groups", lambda: flat.prepare(model, script.optimizer_for(model)))
+    small = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    caught("clip", lambda: acc.clip_grad_norm_(list(small.parameters())[:0], 1.0))
+    caught("load other model", lambda: acc.load_state(folder))
+    return errors
+
+
+def test_prepare_errors_name_what_is_wrong(pools, tmp_path: Path) -> None:
+    # a checkpoint of another model (4 -> 3 features, not 4 -> 4), saved by the Accelerator
+    pools[2].run(save_small_model, 2, str(tmp_path / "small"))
+    errors = pools[2].run(prepare_errors, 2, str(tmp_path / "small"))[0]
+    assert "not in the model being prepared" in errors["other optimizer"]
+    assert "GPT2Block" in errors["block class"] and "LlamaDecoderLayer" in errors["block class"]
+    assert "xla_fsdp_flatten_parameters: false" in errors["flat groups"] and "weight_decay" in errors["flat groups"]
+    assert "model.parameters()" in errors["clip"]
+    assert errors["load other model"].startswith(CheckpointError.__name__) and "another model" in errors["load other model"]
+
+
+def save_small_model(rank: int, world: int, folder: str) -> None:
+    acc = Accelerator()
+    acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    acc.save_state(folder)
+
+
+def test_fp16_is_refused() -> None:
+    with pytest.raises(ValueError, match="fp16.*bf16"):
+        Accelerator(mixed_precision="fp16")
+
+
+def test_plugin_reads_code_then_environment_then_config_file(tmp_path: Path, monkeypatch) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "distributed_type: XLA\nnum_processes: 4\nfsdp_config:\n  fsdp_min_num_params: 1000\n"
+        "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  xla_fsdp_flatten_parameters: true\n  fsdp_version: 2\n"
+    )
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(config))
+    monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "2000")
+    plugin = XlaFsdpPlugin(reduce_scatter_bucket_size_mb=0.5)
+    assert (plugin.auto_wrap_policy, plugin.min_num_params, plugin.flatten_parameters) == ("size_based_wrap", 2000, True)
+    assert plugin.reduce_scatter_bucket_size_mb == 0.5 and plugin.reshard_after_forward is True
+    assert XlaFsdpPlugin(min_num_params=10).min_num_params == 10
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ("  fsdp_min_num_param: 10\n", r"unknown fsdp_config key\(s\) \['fsdp_min_num_param'\]. Valid keys: .*fsdp_min_num_params"),
+        ("  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n", "contradict"),
+        ("  xla_fsdp_flatten_parameters: true\n  xla_fsdp_shard_param_on_dim_0: true\n", "contradict"),
+        ("  fsdp_offload_params: true\n", "fsdp_offload_params.*not offered"),
+        ("  fsdp_backward_prefetch: BACKWARD_POST\n", "BACKWARD_POST.*BACKWARD_PRE"),
+        ("  fsdp_min_num_params: many\n", "fsdp_min_num_params: expected a whole number"),
+    ],
+    ids=["misspelled", "size-and-classes", "flat-and-dim0", "offload", "prefetch", "value"],
+)
+def test_bad_config_is_refused(tmp_path: Path, monkeypatch, section: str, message: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("distributed_type: XLA\nnum_processes: 4\nfsdp_config:\n" + section)
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(config))
+    with pytest.raises(ValueError, match=message):
+        XlaFsdpPlugin()
