@@ -165,3 +165,41 @@ def test_bad_config_is_refused(tmp_path: Path, monkeypatch, section: str, messag
     monkeypatch.setenv(CONFIG_FILE_ENV, str(config))
     with pytest.raises(ValueError, match=message):
         XlaFsdpPlugin()
+
+
+def checkpointing_and_save_model(rank: int, world: int, folder: str) -> Dict[str, Any]:
+    acc = Accelerator()
+    ids = torch.randint(0, script.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank)).to(acc.device)
+    out: Dict[str, Any] = {}
+    for checkpointed in (False, True):
+        model = script.build_model()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = acc.prepare(model, optimizer)
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        optimizer.step()
+        out[checkpointed] = (loss.detach().cpu(), acc.get_state_dict(model))
+    inner = acc.unwrap_model(model)
+    out["taken over"] = (
+        not any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()),
+        all("forward" in vars(unit.module) for unit in inner.model.layers),  # each layer is an FSDP unit
+        "forward" not in vars(inner.model),
+    )
+    acc.save_model(model, folder)
+    return out
+
+
+def test_gradient_checkpointing_is_taken_over_and_save_model_loads(pools, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    results = pools[2].run(checkpointing_and_save_model, 2, str(tmp_path / "model"))
+    for out in results:
+        assert out["taken over"] == (True, True, True), "transformers' checkpointing replaced on the blocks alone"
+        torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
+        for name, value in out[False][1].items():
+            torch.testing.assert_close(out[True][1][name], value, rtol=1e-6, atol=1e-6)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "model")
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, results[0][True][1][name]), name

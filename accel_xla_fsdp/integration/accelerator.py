@@ -144,7 +144,14 @@ class Accelerator(accelerate.Accelerator):
         wanted = {id(p) for p in parameters}
         for model in self._models:
             if isinstance(model, XlaFullyShardedDataParallel) and wanted == {id(p) for p in model.parameters()}:
-                return model.clip_grad_norm_(max_norm, norm_type)
+                norm = model.clip_grad_norm_(max_norm, norm_type)
+                if _xla.replicas_are_threads():
+                    # Scripts log the norm with .item(). Read back now, the step's program (its
+                    # collectives too) would run outside the turns at graph boundaries, every
+                    # replica compiling it at once: under load they reached its first collective
+                    # over 10 s apart and XLA:CPU aborted (seen). Cut the graph here instead.
+                    _xla.sync()
+                return norm
         raise ValueError(
             "clip_grad_norm_ with XLA FSDP takes the parameters of a whole prepared model "
             "(model.parameters()): the norm is over the shards of every replica"
@@ -264,9 +271,13 @@ def _take_over_gradient_checkpointing(model: nn.Module) -> List[nn.Module]:
     compiler merges back into the forward (no memory saved) and which would run FSDP's gathers
     inside the recomputation; ``checkpoint_module`` survives the compiler (checkpointing.py).
     """
-    blocks = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if blocks and hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    if blocks:
+        for m in model.modules():  # what gradient_checkpointing_disable() does, under any of its names
+            if getattr(m, "gradient_checkpointing", False) is True:
+                m.gradient_checkpointing = False
         for block in blocks:
             checkpoint_module(block)
     return blocks
