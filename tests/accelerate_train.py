@@ -70,9 +70,9 @@ def main() -> None:
     accelerator = Accelerator(
         gradient_accumulation_steps=args.accum,
         project_config=ProjectConfiguration(args.project, automatic_checkpoint_naming=True, total_limit=2),
-        # Seedable sampler: the same order on any number of replicas; split batches: the scheduler
-        # steps once per optimizer step.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, split_batches=True),
+        # Seedable sampler with its own seed: the same order on any number of replicas and in a
+        # resumed run; split batches: the scheduler steps once per optimizer step.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0, split_batches=True),
     )
     model = build_model()
     optimizer = optimizer_for(model)
