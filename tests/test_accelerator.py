@@ -16,7 +16,7 @@ from accelerate.utils import broadcast
 from torch.utils.data import DataLoader
 
 import accelerate_train as script
-from accel_xla_fsdp import Accelerator, XlaFsdpPlugin
+from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
 from accel_xla_fsdp.checkpoint import CheckpointError
 from accel_xla_fsdp.integration.plugin import CONFIG_FILE_ENV
 
@@ -203,3 +203,18 @@ def test_gradient_checkpointing_is_taken_over_and_save_model_loads(pools, tmp_pa
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "model")
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, results[0][True][1][name]), name
+
+
+def different_initial_models(rank: int, world: int) -> Dict[str, torch.Tensor]:
+    acc = Accelerator()
+    with seeded(rank):  # each replica its own random weights
+        model = script.LlamaForCausalLM(script.model_config())
+    return acc.get_state_dict(acc.prepare(model))
+
+
+def test_sync_module_states_starts_every_replica_from_rank_0(pools) -> None:
+    with seeded(0):
+        rank0 = script.LlamaForCausalLM(script.model_config()).state_dict()
+    for state in pools[2].run(different_initial_models, 2):
+        for name, value in rank0.items():
+            assert torch.equal(state[name], value), name

@@ -10,9 +10,11 @@ What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
   fp16 is refused: XLA devices train in bf16.
 - Gradients are reduce-scattered in backward, once: the optimizer wrapper's all-reduce and
   ``clip_grad_norm_``'s are skipped, and ``clip_grad_norm_`` takes the norm over every shard.
-- ``gather``, ``reduce``, ``pad_across_processes`` and shuffled dataloaders work on XLA:CPU
-  replica threads (replica_threads.py); ``wait_for_everyone`` and ``main_process_first`` do
-  through _xla.py's rendezvous. On a TPU, Accelerate's own forms run.
+- Dataloaders are iterated in the replica's own thread (``XlaDataLoader``), not read ahead by
+  torch_xla's loader thread, which made replicas disagree on where accumulation ends.
+- ``gather``, ``reduce``, ``pad_across_processes`` and the shuffling seed work on XLA:CPU replica
+  threads (replica_threads.py); ``wait_for_everyone`` and ``main_process_first`` do through
+  _xla.py's rendezvous. On a TPU, Accelerate's own forms run.
 - ``save_state`` / ``load_state`` write and read sharded checkpoints (checkpoints.py);
   ``get_state_dict``, ``unwrap_model`` and ``save_model`` give the whole model.
 """
@@ -87,17 +89,17 @@ class Accelerator(accelerate.Accelerator):
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
         """Accelerate's ``prepare``, after sharding the models and moving their optimizers onto the shards."""
         args = list(args)
-        renamed: Dict[int, str] = {}
-        shards: Dict[str, nn.Parameter] = {}
+        names: Dict[int, str] = {}  # id of an unwrapped model's parameter -> its name
+        shards: Dict[str, nn.Parameter] = {}  # that name -> the shard holding it
         for i, obj in enumerate(args):
             if isinstance(obj, nn.Module) and not isinstance(obj, XlaFullyShardedDataParallel):
-                renamed.update(parameter_names(obj))
+                names.update(parameter_names(obj))
                 args[i] = self.shard_model(obj)
                 shards.update(shards_by_name(args[i]))
-        if renamed:
+        if names:
             for obj in args:
                 if isinstance(obj, torch.optim.Optimizer):
-                    move_onto_shards(obj, renamed, shards, "model")
+                    move_onto_shards(obj, names, shards, "model")
         return super().prepare(*args, device_placement=device_placement)
 
     def shard_model(self, model: nn.Module) -> XlaFullyShardedDataParallel:
@@ -128,7 +130,8 @@ class Accelerator(accelerate.Accelerator):
     def prepare_data_loader(self, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
         prepared = super().prepare_data_loader(data_loader, *args, **kwargs)
         loader = _iterated_in_place(prepared, self.device)
-        self._dataloaders[self._dataloaders.index(prepared)] = loader
+        if loader is not prepared and prepared in self._dataloaders:
+            self._dataloaders[self._dataloaders.index(prepared)] = loader
         return loader
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
