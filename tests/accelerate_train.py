@@ -85,13 +85,19 @@ def main() -> None:
         accelerator.load_state()
         step = accelerator.step // args.accum
         batches = iter(accelerator.skip_first_batches(loader, accelerator.step))
-    record = {"steps": [], "world": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
+    record = {
+        "steps": [], "world": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+        "reshard_after_forward": model.options.reshard_after_forward,  # from the config file
+    }
     while step < args.steps:
         ids, losses, norms = [], [], []
         for _ in range(args.accum):
             batch = next(batches)
             with accelerator.accumulate(model):
-                out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+                # The attention mask spares transformers 5 a value read back to the host
+                # mid-forward, which would run the forward so far outside the replicas' turns.
+                ids = batch["input_ids"]
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients:
                     norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())

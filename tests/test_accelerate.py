@@ -30,11 +30,11 @@ ACCELERATE = Path(sys.executable).parent / "accelerate"
 STEPS, ACCUM, SAVE_AT = 6, 2, 3
 
 
-def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = ()) -> Dict:
+def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (), config: Path = CPU_CONFIG) -> Dict:
     """Run the script under ``accelerate launch``; its record, with the final parameters."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG), *launch_args,
+    command = [str(ACCELERATE), "launch", "--config_file", str(config), *launch_args,
                str(ROOT / "tests" / "accelerate_train.py"), "--out", str(out), "--project", str(project),
                "--steps", str(STEPS), "--accum", str(ACCUM), *script_args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -112,8 +112,14 @@ def test_resume_on_two_replicas_reshards(unbroken, tmp_path) -> None:
 
 
 def test_bf16_computes_in_bf16_and_tracks_fp32(tmp_path) -> None:
-    run = launch(tmp_path / "run.json", tmp_path / "project", launch_args=("--num_processes", "2", "--mixed_precision", "bf16"))
-    assert run["mixed_precision"] == "bf16" and run["world"] == 2
+    # The config file alone says bf16, 2 devices and no resharding after forward: what reaches
+    # the replicas is what accelerate launch was given.
+    text = CPU_CONFIG.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16")
+    text = text.replace("num_processes: 4", "num_processes: 2").replace("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false")
+    config = tmp_path / "bf16.yaml"
+    config.write_text(text)
+    run = launch(tmp_path / "run.json", tmp_path / "project", config=config)
+    assert (run["mixed_precision"], run["world"], run["reshard_after_forward"]) == ("bf16", 2, False)
     reference = train_plain(run["steps"], world=2)
     losses = torch.tensor([s["losses"] for s in run["steps"]])
     torch.testing.assert_close(losses, torch.tensor(reference["losses"]), rtol=1e-2, atol=0)
