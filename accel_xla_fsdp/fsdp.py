@@ -204,12 +204,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         with ``deps``, not before those are computed."""
         if self.params_gathered:
             return
+        zero = None
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
-            deps = _xla.combined_dependencies(deps)  # built once, not once per group
+            zero = _xla.ordering_zero(deps)  # made once, not once per group
         coalesced = self.options.coalesce_all_gather_ops
         for groups in [self.param_groups] if coalesced else [[g] for g in self.param_groups]:
-            gather_groups(groups, deps, dtype)
+            gather_groups(groups, deps is not None, zero, dtype)
 
     def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
         for group in self.param_groups:
