@@ -12,7 +12,11 @@ makes it measurable without that contention:
   (``_xla.take_turns_at_sync``), so waiting there for the other replicas is not counted: a
   measuring hook on ``_xla._Turns``, installed by this script only;
 * between steps every replica waits for its step's result and then for the other replicas, so
-  no device computation runs while a replica traces.
+  no device computation runs while a replica traces;
+* every replica also trains the unwrapped model, traced in turn with the variant at every step
+  (``--no-paired``: not): ``host / unwrapped, paired`` is the median over steps of the two host
+  times' ratio, which the other load on the machine moves far less than the ratio of medians
+  taken minutes apart (``host / base``, against the unwrapped model's own run on one device).
 
 Every variant runs the benchmark's model (``scripts/benchmark.py``'s ``Settings``,
 ``build_model``, ``global_batches``, ``local_rows`` and wrappers) at the same LOCAL batch
@@ -20,7 +24,7 @@ Every variant runs the benchmark's model (``scripts/benchmark.py``'s ``Settings`
 process. Figures are medians over the steps after ``--warmup``; ``host / base`` is against the
 unwrapped model on one device.
 
-    python scripts/host_time.py                      # the table (about 3 min on 2 cores)
+    python scripts/host_time.py                      # the table (about 3.5 min on 2 cores)
     python scripts/host_time.py --variants ours-flat:4 --profile out/host-flat4.prof
 """
 
@@ -35,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmark.py, also in the device process
 
@@ -123,45 +127,70 @@ def _graph_outputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer, los
     return [loss] + params + [p.grad for p in params] + state
 
 
-def replica(rank: int, variant: str, s: Settings, count_ir: bool, profile: Optional[str]) -> StepTimes:
-    world = _xla.world_size()
-    barrier = _step_barrier(world)
+@dataclass
+class Trainee:
+    """A model this replica trains, its optimizer and its figures."""
+
+    model: torch.nn.Module
+    after_backward: Callable[[], None]
+    optimizer: torch.optim.Optimizer
+    times: StepTimes = field(default_factory=StepTimes)
+
+
+def _trainee(variant: str, s: Settings) -> Trainee:
     with seeded(0):
         model = build_model(s)
     model, after_backward = WRAPPERS[variant](model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr)
+    return Trainee(model, after_backward, torch.optim.AdamW(model.parameters(), lr=s.lr))
+
+
+def replica(
+    rank: int, variant: str, s: Settings, paired: bool, count_ir: bool, profile: Optional[str]
+) -> Tuple[StepTimes, Optional[StepTimes]]:
+    """This replica's figures for ``variant`` and, ``paired``, for the unwrapped model traced in
+    turn with it at every step (the same local batch)."""
+    world = _xla.world_size()
+    barrier = _step_barrier(world)
+    trainees = [_trainee(variant, s)] + ([_trainee("no-sharding", s)] if paired else [])
     device = _xla.device()
     profiler = _profiler(profile, rank)
-    times = StepTimes()
     for step, batch in enumerate(global_batches(s)):
         ids = local_rows(batch, rank, world).to(device)
-        with _TRACING:
-            profiling = profiler is not None and step >= 3
-            if profiling:
-                profiler.enable()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            loss = model(input_ids=ids, labels=ids).loss
-            # cProfile sees one thread: when profiling, backward runs on this one, not autograd's
-            with torch.autograd.set_multithreading_enabled(not profiling):
-                loss.backward()
-            after_backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            times.tracing.append(time.perf_counter() - start)
-            times.tracing_cpu.append(time.process_time() - start_cpu)
-            if profiling:
-                profiler.disable()
-            if count_ir and step == s.steps - 1:  # under the lock: C++ holding the GIL
-                times.ir_nodes.append(_ir_nodes(_graph_outputs(model, optimizer, loss)))
-        accel_xla_fsdp.sync()
-        times.launch.append(_launch.seconds)
-        times.launch_cpu.append(_launch.cpu_seconds)
-        times.losses.append(loss.item())  # waits for the step's program
-        barrier.wait()  # no replica traces while another's program runs
+        # alternate which goes first, so that neither always follows the other's program
+        for t in trainees if step % 2 == 0 else trainees[::-1]:
+            profiling = profiler is not None and step >= s.warmup_steps and t is trainees[0]
+            _step(t, ids, profiler if profiling else None, count_ir and step == s.steps - 1)
+            barrier.wait()  # no replica traces while another's program runs
     if profiler is not None:
         profiler.dump_stats(f"{profile}.rank{rank}")
-    times.digest = _digest(model.parameters())
-    return times
+    trainees[0].times.digest = _digest(trainees[0].model.parameters())
+    return trainees[0].times, trainees[1].times if paired else None
+
+
+def _step(t: Trainee, ids: torch.Tensor, profiler: Optional[Any], count_ir: bool) -> None:
+    """One training step: traced under the lock, launched in turn, run to its end."""
+    times = t.times
+    with _TRACING:
+        if profiler is not None:
+            profiler.enable()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        loss = t.model(input_ids=ids, labels=ids).loss
+        # cProfile sees one thread: when profiling, backward runs on this one, not autograd's
+        with torch.autograd.set_multithreading_enabled(profiler is None):
+            loss.backward()
+        t.after_backward()
+        t.optimizer.step()
+        t.optimizer.zero_grad()
+        times.tracing.append(time.perf_counter() - start)
+        times.tracing_cpu.append(time.process_time() - start_cpu)
+        if profiler is not None:
+            profiler.disable()
+        if count_ir:  # under the lock: C++ holding the GIL
+            times.ir_nodes.append(_ir_nodes(_graph_outputs(t.model, t.optimizer, loss)))
+    accel_xla_fsdp.sync()
+    times.launch.append(_launch.seconds)
+    times.launch_cpu.append(_launch.cpu_seconds)
+    times.losses.append(loss.item())  # waits for the step's program
 
 
 def _digest(params: Iterable[torch.Tensor]) -> str:
@@ -189,6 +218,7 @@ class Result:
 
     label: str
     runs: List[List[StepTimes]]  # per run, every replica's
+    paired: List[List[StepTimes]]  # the same, for the unwrapped model traced in turn (if asked)
     warmup: int
 
     def median_ms(self, attr: str) -> float:
@@ -204,32 +234,51 @@ class Result:
         nodes = self.runs[0][0].ir_nodes
         return nodes[-1] if nodes else None
 
+    def paired_ratio(self, cpu: bool) -> Optional[float]:
+        """Median over steps and replicas of host time / the unwrapped model's at the same step."""
+        if not self.paired:
+            return None
+        suffix = "_cpu" if cpu else ""
+
+        def host(t: StepTimes) -> List[float]:
+            return [a + b for a, b in zip(getattr(t, "tracing" + suffix), getattr(t, "launch" + suffix))][self.warmup :]
+
+        pairs = [(x, y) for run, base in zip(self.runs, self.paired) for r, b in zip(run, base) for x, y in zip(host(r), host(b))]
+        return statistics.median(x / y for x, y in pairs)
+
     def losses(self) -> List[float]:
         """Every step's loss, the mean over the replicas (of the last run)."""
         run = self.runs[-1]
         return [statistics.fmean(r.losses[i] for r in run) for i in range(len(run[0].losses))]
 
 
-def measure(variant: str, devices: int, args: argparse.Namespace) -> List[StepTimes]:
-    """One run of ``variant`` on ``devices`` devices, in a fresh process: every replica's times."""
+def measure(variant: str, devices: int, args: argparse.Namespace) -> Tuple[List[StepTimes], List[StepTimes]]:
+    """One run of ``variant`` on ``devices`` devices, in a fresh process: every replica's times,
+    and those of the unwrapped model traced in turn with it (none for the unwrapped variant or
+    with ``--no-paired``)."""
     s = dataclasses.replace(
         Settings(), global_batch=args.local_batch * devices, warmup_steps=args.warmup, timed_steps=args.steps
     )
-    return accel_xla_fsdp.run_on_devices(replica, devices, args=(variant, s, args.ir, args.profile))
+    paired = args.paired and variant != "no-sharding"
+    replicas = accel_xla_fsdp.run_on_devices(replica, devices, args=(variant, s, paired, args.ir, args.profile))
+    return [r for r, _ in replicas], [b for _, b in replicas if b is not None]
 
 
 def table(results: List[Result]) -> str:
     base_wall, base_cpu = results[0].host_ms(cpu=False), results[0].host_ms(cpu=True)
     lines = [
-        "| variant | tracing ms | launch ms | host ms | host / base | CPU: tracing ms | launch ms | host ms | host / base | IR nodes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | tracing ms | launch ms | host ms | host / base | CPU: tracing ms | launch ms | host ms | host / base "
+        "| host / unwrapped, paired: wall | CPU | IR nodes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         wall, cpu = r.host_ms(cpu=False), r.host_ms(cpu=True)
+        paired = [r.paired_ratio(cpu=c) for c in (False, True)]
         cells = [
             r.label, f"{r.median_ms('tracing'):.1f}", f"{r.median_ms('launch'):.1f}", f"{wall:.1f}",
             f"{wall / base_wall:.2f}", f"{r.median_ms('tracing_cpu'):.1f}", f"{r.median_ms('launch_cpu'):.1f}",
-            f"{cpu:.1f}", f"{cpu / base_cpu:.2f}", "" if r.ir_nodes is None else str(r.ir_nodes),
+            f"{cpu:.1f}", f"{cpu / base_cpu:.2f}", *("" if x is None else f"{x:.2f}" for x in paired),
+            "" if r.ir_nodes is None else str(r.ir_nodes),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -250,6 +299,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
     p.add_argument("--repeat", type=int, default=1, help="runs of every variant, in rounds (default 1)")
     p.add_argument("--no-ir", dest="ir", action="store_false", help="do not count the step graph's IR nodes")
+    p.add_argument("--no-paired", dest="paired", action="store_false",
+                   help="do not also trace the unwrapped model in turn with each variant")
     p.add_argument("--losses", action="store_true", help="also print every step's loss and a digest of each "
                    "replica's final parameters (to check that results are bit-identical)")
     p.add_argument("--profile", help="cProfile rank 0's tracing after the warm-up into PROFILE.rank0")
@@ -260,10 +311,14 @@ def main() -> None:
     args = parse_args()
     variants = args.variants or DEFAULT_VARIANTS
     runs: Dict[str, List[List[StepTimes]]] = {label: [] for label, _, _ in variants}
+    paired: Dict[str, List[List[StepTimes]]] = {label: [] for label, _, _ in variants}
     for round_ in range(args.repeat):  # in rounds, so that a slow spell of the machine hits every variant
         for label, variant, devices in variants:
-            runs[label].append(measure(variant, devices, args))
-            r = Result(label, runs[label][-1:], args.warmup)
+            times, base = measure(variant, devices, args)
+            runs[label].append(times)
+            if base:
+                paired[label].append(base)
+            r = Result(label, runs[label][-1:], paired[label][-1:], args.warmup)
             print(
                 f"round {round_ + 1}, {label}: tracing {r.median_ms('tracing'):.1f} ms "
                 f"(CPU {r.median_ms('tracing_cpu'):.1f}), launch {r.median_ms('launch'):.1f} ms "
@@ -273,7 +328,7 @@ def main() -> None:
             if args.losses:
                 print("  losses " + " ".join(repr(x) for x in r.losses()), flush=True)
                 print("  parameters " + " ".join(t.digest for t in runs[label][-1]), flush=True)
-    results = [Result(label, runs[label], args.warmup) for label, _, _ in variants]
+    results = [Result(label, runs[label], paired[label], args.warmup) for label, _, _ in variants]
     print(table(results))
 
 
