@@ -9,8 +9,8 @@ makes it measurable without that contention:
   before its sync (backward runs on autograd's device thread, not the replica's: wall time with
   the lock held includes it, thread CPU time would not);
 * the launch (the sync) is timed inside the turn the replica takes at the graph boundary
-  (``_xla.take_turns_at_sync``), so waiting there for the other replicas is not counted: a
-  measuring hook on ``_xla._Turns``, installed by this script only;
+  (``_xla._launch_in_turn``), so waiting there for the other replicas is not counted: a
+  measuring hook on ``_xla._original_step_marker``, installed by this script only;
 * between steps every replica waits for its step's result and then for the other replicas, so
   no device computation runs while a replica traces;
 * every replica also trains the unwrapped model, traced in turn with the variant at every step
@@ -85,26 +85,23 @@ _launch = threading.local()
 
 
 def _install_launch_timer() -> None:
-    """Time the launch inside the replica's turn at the graph boundary: from the end of its wait
-    for the others (``_Turns.wait_for``) to the start of ``_Turns.done``. A measuring hook of this
-    script only; the library's sync is unchanged."""
-    turns = getattr(_xla, "_Turns", None)
-    if turns is None or getattr(turns, "_host_time_hooked", False):
-        if turns is None:
-            raise RuntimeError("accel_xla_fsdp._xla._Turns is gone: update this script's launch timer")
+    """Time torch_xla's step marker, which ``_xla`` calls inside the replica's turn at the graph
+    boundary (after its wait for the others), or directly with one replica. A measuring hook of
+    this script only; the library's sync is unchanged."""
+    launch = _xla._original_step_marker
+    if getattr(launch, "_host_time_timed", False):
         return
-    wait_for, done = turns.wait_for, turns.done
 
-    def timed_wait_for(self, rank: int) -> None:
-        wait_for(self, rank)
-        _launch.start, _launch.start_cpu = time.perf_counter(), time.thread_time()
+    def timed_launch(*args: Any, **kwargs: Any) -> None:
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        try:
+            launch(*args, **kwargs)
+        finally:
+            _launch.seconds = time.perf_counter() - start
+            _launch.cpu_seconds = time.thread_time() - start_cpu
 
-    def timed_done(self) -> None:
-        _launch.seconds = time.perf_counter() - _launch.start
-        _launch.cpu_seconds = time.thread_time() - _launch.start_cpu
-        done(self)
-
-    turns.wait_for, turns.done, turns._host_time_hooked = timed_wait_for, timed_done, True
+    timed_launch._host_time_timed = True
+    _xla._original_step_marker = timed_launch
 
 
 def _step_barrier(world: int) -> threading.Barrier:
