@@ -106,7 +106,9 @@ class ShardedParamGroup:
     def _join(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.spec.dim0:
             return values[0]
-        return torch.cat([v.reshape(-1) for v in values])
+        flat = [v if v.dim() == 1 else v.reshape(-1) for v in values]
+        # Every traced op costs each replica host time: a per-parameter group has nothing to join.
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
 
     def _pad(self, full: torch.Tensor) -> torch.Tensor:
         """Pad dim 0 so that it splits evenly (and, flat, into shard_size_multiple tiles)."""
