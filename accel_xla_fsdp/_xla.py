@@ -418,7 +418,8 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
 def ordering_zero(deps: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """On the CPU, an exact zero computed from ``deps``, for ``order_after``; elsewhere None.
 
-    Made once per unit and added to each of its gathers' operands: every replica traces it, and
+    Made once per unit and added to the operand of its first gather only, which the unit's other
+    gathers follow (collectives are ordered among themselves): every replica traces it, and
     tracing is the host's share of a step. One element of each dependency (fewest traced ops),
     ``nan_to_num`` before the sum (a ``-inf`` mask) and after it (an overflow), so that the zero
     cannot turn into NaN.

@@ -23,24 +23,22 @@ from .param_group import ShardedParamGroup
 def gather_groups(
     groups: Sequence[ShardedParamGroup], barrier: bool, zero: Optional[torch.Tensor], dtype: Optional[torch.dtype]
 ) -> None:
-    """Gather ``groups`` (those not gathered yet; one unit's) in one all-gather.
+    """Gather ``groups`` (none gathered yet; one unit's) in one all-gather.
 
     With ``barrier``, an optimization barrier follows the gather, and on the CPU ``zero``
     (``_xla.ordering_zero``) ties it to what it must follow (see [Note: optimization barriers]).
     ``dtype``: see ``ShardedParamGroup.gather_input``.
     """
-    pending = [g for g in groups if not g.gathered]
-    if not pending:
-        return
-    inputs = [g.gather_input(zero, dtype) for g in pending]
-    sharding, options = pending[0].sharding, pending[0].options
+    inputs = [g.gather_input(dtype) for g in groups]
+    inputs[0] = _xla.order_after(inputs[0], zero)  # one operand is enough: the collective is one
+    sharding, options = groups[0].sharding, groups[0].options
     if sharding.world_size == 1:
         gathered = inputs
     else:
         gathered = _xla.all_gather_coalesced(inputs, sharding.groups, options.pin_layout_in_collective_ops)
     if barrier:
         _xla.optimization_barrier_(gathered)
-    for group, full in zip(pending, gathered):
+    for group, full in zip(groups, gathered):
         group.adopt_gathered(full)
 
 

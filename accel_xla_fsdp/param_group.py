@@ -140,16 +140,14 @@ class ShardedParamGroup:
 
     # -- gather and free --------------------------------------------------------------------
 
-    def gather_input(self, zero: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
-        """This replica's shard as the all-gather takes it (``collectives.gather_groups``, which
-        calls it without gradients).
+    def gather_input(self, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """This replica's shard as the all-gather takes it (``collectives.gather_groups``).
 
         In ``dtype`` (default: the compute dtype; ``summon_full_params`` gathers in the shard's
-        own), on the CPU tied by ``zero`` (``_xla.ordering_zero``) to what the gather must follow
-        (see [Note: optimization barriers]), and on a TPU's flat layout in torch_xla's (-1, 128)
-        tiles, which gather faster than a long vector.
+        own), and on a TPU's flat layout in torch_xla's (-1, 128) tiles, which gather faster than
+        a long vector.
         """
-        shard = _xla.order_after(self.shard.detach().to(dtype or self.options.compute_dtype), zero)
+        shard = self.shard.detach().to(dtype or self.options.compute_dtype)
         if self._tiled:
             return shard.view(-1, self.options.shard_size_multiple)
         return shard
