@@ -33,13 +33,20 @@ Groups = Optional[List[List[int]]]
 # Platform and devices
 
 
+_platform: Optional[str] = None
+
+
 def platform() -> str:
     """The PJRT device type of this process: ``"CPU"``, ``"TPU"``, ...
 
     Read from ``PJRT_DEVICE`` (importing torch_xla sets it when it is unset), so asking does not
-    start the runtime: a launcher can ask before it starts the device processes.
+    start the runtime: a launcher can ask before it starts the device processes. Read once: every
+    collective and gather asks, and a process keeps its device type.
     """
-    return (xr.device_type() or "").upper()
+    global _platform
+    if not _platform:
+        _platform = (xr.device_type() or "").upper()
+    return _platform
 
 
 def on_cpu() -> bool:
@@ -382,8 +389,8 @@ _original_rendezvous, _original_mesh_reduce = _install_rendezvous()
 # Tensor storage and the compiler
 
 
-def replace_data(tensor: torch.Tensor, new_data: torch.Tensor) -> None:
-    """Point ``tensor`` at ``new_data``'s storage, keeping its autograd identity.
+def replace_data(tensors: Sequence[torch.Tensor], new_data: Sequence[torch.Tensor]) -> None:
+    """Point each of ``tensors`` at its ``new_data``'s storage, keeping its autograd identity.
 
     This is how full parameters are freed and rebuilt on XLA (there is no storage to resize):
     the parameter object stays a leaf that autograd knows, while the XLA tensor behind it is
@@ -391,9 +398,13 @@ def replace_data(tensor: torch.Tensor, new_data: torch.Tensor) -> None:
     torch_xla's FSDP uses ``_XLAC._replace_xla_tensor`` here when functionalization is on; in
     torch_xla 2.9 that call leaves a parameter holding materialized device data unchanged for the
     computations that read it (measured), while ``.data`` assignment works, so we use that.
+    The version counters are kept, in one call for all of a group's parameters: backward must
+    still accept the parameters that forward saved.
     """
-    with torch.autograd._unsafe_preserve_version_counter(tensor):
-        tensor.data = new_data
+    tensors = tuple(tensors)
+    with torch.autograd._unsafe_preserve_version_counter(tensors):
+        for tensor, data in zip(tensors, new_data):
+            tensor.data = data
 
 
 def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
@@ -403,38 +414,40 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
         xm.optimization_barrier_(tensors)
 
 
-def order_after(tensor: torch.Tensor, deps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``tensor``, computed only once ``deps`` are: what an optimization barrier says on a TPU.
+@torch.no_grad()
+def ordering_zero(deps: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """On the CPU, an exact zero computed from ``deps``, for ``order_after``; elsewhere None.
+
+    Made once per unit and added to the operand of its first gather only, which the unit's other
+    gathers follow (collectives are ordered among themselves): every replica traces it, and
+    tracing is the host's share of a step. One element of each dependency (fewest traced ops),
+    ``nan_to_num`` before the sum (a ``-inf`` mask) and after it (an overflow), so that the zero
+    cannot turn into NaN.
+    """
+    if not on_cpu() or not deps:
+        return None
+    firsts = torch.cat([_flat(d)[:1].float() for d in deps])
+    return torch.nan_to_num(torch.nan_to_num(firsts).sum()) * 0
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    # Shards and their gradients are 1-D already: no reshape to trace.
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+
+
+def order_after(tensor: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
+    """``tensor``, computed only once the dependencies of ``zero`` (``ordering_zero``) are: what
+    an optimization barrier says on a TPU.
 
     XLA:CPU removes optimization barriers right after its first CSE pass, before it schedules
     (measured, torch_xla 2.9), and its collectives are ordered only among themselves (a token), so
     it issues a unit's all-gather blocks ahead of the computation that needs it, holding several
     units' full parameters at once. On the CPU we add a data dependency that the compiler cannot
-    drop: zero times one element of each dependency (``nan_to_num`` so that a ``-inf`` mask or an
-    overflow cannot turn the zero into NaN). The value is unchanged. Elsewhere the barriers do it.
+    drop: the exact zero. The value is unchanged. Elsewhere the barriers do it.
     """
-    if not on_cpu() or not deps:
+    if zero is None:
         return tensor
-    return tensor + (_anchor(deps) * 0).to(tensor.dtype)
-
-
-def combined_dependencies(deps: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``deps`` as one tensor for ``order_after`` on the CPU, so that a unit of many parameter
-    groups ties each gather to one scalar rather than to every dependency (per-parameter shards:
-    147 gathers, each tied to a block's dozens of gradients)."""
-    if not on_cpu() or len(deps) < 2:
-        return deps
-    return [_anchor(deps)]
-
-
-@torch.no_grad()
-def _anchor(deps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A finite scalar computed from one element of each of ``deps``.
-
-    Few traced ops per dependency: every replica traces this for every gather, and tracing is
-    the host's share of a step."""
-    firsts = torch.cat([d.reshape(-1)[:1].float() for d in deps])
-    return torch.nan_to_num(firsts).sum()
+    return tensor + zero.to(tensor.dtype)
 
 
 def rng_state(dev: torch.device) -> int:

@@ -21,25 +21,24 @@ from .param_group import ShardedParamGroup
 
 @torch.no_grad()
 def gather_groups(
-    groups: Sequence[ShardedParamGroup], deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype]
+    groups: Sequence[ShardedParamGroup], barrier: bool, zero: Optional[torch.Tensor], dtype: Optional[torch.dtype]
 ) -> None:
-    """Gather ``groups`` (those not gathered yet; one unit's) in one all-gather.
+    """Gather ``groups`` (none gathered yet; one unit's) in one all-gather.
 
-    With ``deps``, the gather waits for them, and an optimization barrier follows it (see
-    [Note: optimization barriers]). ``dtype``: see ``ShardedParamGroup.gather_input``.
+    With ``barrier``, an optimization barrier follows the gather, and on the CPU ``zero``
+    (``_xla.ordering_zero``) ties it to what it must follow (see [Note: optimization barriers]).
+    ``dtype``: see ``ShardedParamGroup.gather_input``.
     """
-    pending = [g for g in groups if not g.gathered]
-    if not pending:
-        return
-    inputs = [g.gather_input(deps, dtype) for g in pending]
-    sharding, options = pending[0].sharding, pending[0].options
+    inputs = [g.gather_input(dtype) for g in groups]
+    inputs[0] = _xla.order_after(inputs[0], zero)  # one operand is enough: the collective is one
+    sharding, options = groups[0].sharding, groups[0].options
     if sharding.world_size == 1:
         gathered = inputs
     else:
         gathered = _xla.all_gather_coalesced(inputs, sharding.groups, options.pin_layout_in_collective_ops)
-    if deps is not None:
+    if barrier:
         _xla.optimization_barrier_(gathered)
-    for group, full in zip(pending, gathered):
+    for group, full in zip(groups, gathered):
         group.adopt_gathered(full)
 
 

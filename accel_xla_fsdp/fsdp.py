@@ -202,14 +202,16 @@ class XlaFullyShardedDataParallel(nn.Module):
     def gather_params(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
         """Gather every group of this unit (in one all-gather with ``coalesce_all_gather_ops``);
         with ``deps``, not before those are computed."""
-        if self.params_gathered:
+        pending = [g for g in self.param_groups if not g.gathered]
+        if not pending:
             return
+        zero = None
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
-            deps = _xla.combined_dependencies(deps)  # built once, not once per group
-        coalesced = self.options.coalesce_all_gather_ops
-        for groups in [self.param_groups] if coalesced else [[g] for g in self.param_groups]:
-            gather_groups(groups, deps, dtype)
+            zero = _xla.ordering_zero(deps)
+        for groups in [pending] if self.options.coalesce_all_gather_ops else [[g] for g in pending]:
+            gather_groups(groups, deps is not None, zero, dtype)
+            zero = None  # the later gathers follow this one: XLA:CPU orders collectives among themselves
 
     def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
         for group in self.param_groups:

@@ -123,8 +123,8 @@ def _pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict) -> Tu
     state = unit.root_state
     unit.training_state = TrainingState.FORWARD
     for group in unit.param_groups:
-        group.follow_requires_grad()
-        ensure_grad_hooks(unit, group)
+        if group.follow_requires_grad():  # hooks are made when wrapping, and here after an unfreeze
+            ensure_grad_hooks(unit, group)
     if unit.options.compute_dtype != torch.float32:
         args, kwargs = tree_map(functools.partial(_cast, unit.options.compute_dtype), (args, kwargs))
     if torch.is_grad_enabled() and not in_recompute():
@@ -137,11 +137,12 @@ def _pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict) -> Tu
 def _post_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
     # Called also when the forward raised (always_call): then free, so the model stays usable.
     failed = sys.exc_info()[1] is not None
+    output_tensors = _tensors_in(outputs)
     if failed or _frees_after_forward(unit):
-        unit.free_params(_tensors_in(outputs) if unit.options.optimization_barrier_in_forward else None)
+        unit.free_params(output_tensors if unit.options.optimization_barrier_in_forward else None)
     if torch.is_grad_enabled() and not failed:
         state = unit.root_state
-        _hook_output_grads(unit, outputs)
+        _hook_output_grads(unit, output_tensors)
         if unit.options.optimization_barrier_in_backward:
             _hook_input_grads(_tensors_in((args, kwargs)), state)
     unit.training_state = TrainingState.IDLE
@@ -174,8 +175,8 @@ def _tensors_in(tree: Any) -> List[torch.Tensor]:
 # Backward
 
 
-def _hook_output_grads(unit: Unit, outputs: Any) -> None:
-    for t in _tensors_in(outputs):
+def _hook_output_grads(unit: Unit, outputs: List[torch.Tensor]) -> None:
+    for t in outputs:
         if t.requires_grad:
             t.register_hook(functools.partial(_pre_backward, unit))
 

@@ -20,6 +20,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
@@ -98,15 +99,16 @@ class ShardedParamGroup:
             if shard.is_meta:  # built on the meta device: the unit sets the shard's data
                 shard = torch.zeros(shard.shape, dtype=shard.dtype, device=device)
             self.shard = nn.Parameter(shard.to(device), requires_grad=requires_grad)
-        for slot in slots:
-            _xla.replace_data(slot.param, self._placeholder)
+        _xla.replace_data(self.full_params, [self._placeholder] * len(slots))
 
     # -- layout -----------------------------------------------------------------------------
 
     def _join(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.spec.dim0:
             return values[0]
-        return torch.cat([v.reshape(-1) for v in values])
+        flat = [v if v.dim() == 1 else v.reshape(-1) for v in values]
+        # Every traced op costs each replica host time: a per-parameter group has nothing to join.
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
 
     def _pad(self, full: torch.Tensor) -> torch.Tensor:
         """Pad dim 0 so that it splits evenly (and, flat, into shard_size_multiple tiles)."""
@@ -121,47 +123,50 @@ class ShardedParamGroup:
         start = self.sharding.rank * rows
         return padded[start : start + rows].clone()
 
-    def _view(self, full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    @functools.cached_property
+    def _split_sizes(self) -> List[int]:
+        """Flat layout: the slots' lengths in the gathered tensor, then its padding."""
+        sizes = [slot.numel for slot in self.slots]
+        return sizes + [self.shard.numel() * self.sharding.world_size - sum(sizes)]
+
+    def _views(self, full: torch.Tensor) -> List[torch.Tensor]:
+        """Each full parameter's part of the gathered tensor ``full``."""
         if self.spec.dim0:
-            return full[: slot.shape[0]]
-        return full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            return [full[: self.slots[0].shape[0]]]
+        # Every traced op costs each replica host time: one split for all slots, none for one
+        # parameter without padding, and no view where the piece has the shape already (1-D).
+        pieces = [full] if self._split_sizes[1:] == [0] else full.split(self._split_sizes)
+        return [piece if len(slot.shape) == 1 else piece.view(slot.shape) for piece, slot in zip(pieces, self.slots)]
 
     # -- gather and free --------------------------------------------------------------------
 
-    @torch.no_grad()
-    def gather_input(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype]) -> torch.Tensor:
+    def gather_input(self, dtype: Optional[torch.dtype]) -> torch.Tensor:
         """This replica's shard as the all-gather takes it (``collectives.gather_groups``).
 
         In ``dtype`` (default: the compute dtype; ``summon_full_params`` gathers in the shard's
-        own), computed only after ``deps`` (see [Note: optimization barriers]), and on a TPU's
-        flat layout in torch_xla's (-1, 128) tiles, which gather faster than a long vector.
+        own), and on a TPU's flat layout in torch_xla's (-1, 128) tiles, which gather faster than
+        a long vector.
         """
         shard = self.shard.detach().to(dtype or self.options.compute_dtype)
-        if deps is not None:
-            shard = _xla.order_after(shard, deps)
         if self._tiled:
             return shard.view(-1, self.options.shard_size_multiple)
         return shard
 
-    @torch.no_grad()
     def adopt_gathered(self, gathered: torch.Tensor) -> None:
         """Point every full parameter at its slice of the all-gathered ``gather_input``."""
         full = gathered.flatten() if self._tiled else gathered
-        for slot in self.slots:
-            _xla.replace_data(slot.param, self._view(full, slot))
+        _xla.replace_data(self.full_params, self._views(full))
         self.gathered = True
 
     @property
     def _tiled(self) -> bool:
         return not self.spec.dim0 and self.options.shard_size_multiple > 1
 
-    @torch.no_grad()
     def free(self) -> None:
         """Point every full parameter back at the 1-element placeholder."""
         if not self.gathered:
             return
-        for slot in self.slots:
-            _xla.replace_data(slot.param, self._placeholder)
+        _xla.replace_data(self.full_params, [self._placeholder] * len(self.slots))
         self.gathered = False
 
     @property
@@ -199,8 +204,9 @@ class ShardedParamGroup:
         local = full.reshape(world, rows, *full.shape[1:]).index_select(0, self._rank_index)[0]
         self.shard.copy_(local.to(self.shard.dtype))
 
-    def follow_requires_grad(self) -> None:
-        """Adopt a freeze or unfreeze made after wrapping, on the shard or on the full parameters.
+    def follow_requires_grad(self) -> bool:
+        """Adopt a freeze or unfreeze made after wrapping, on the shard or on the full parameters;
+        returns whether there was one.
 
         The optimizer sees the shard, the modules the full parameters: whichever of the two the
         user changed, both must agree, or gradients would be computed for a frozen shard (and
@@ -208,9 +214,9 @@ class ShardedParamGroup:
         """
         want = self.shard.requires_grad
         if want == self._requires_grad:
+            if all(slot.param.requires_grad == want for slot in self.slots):
+                return False  # every forward of every unit asks: the common case first
             flags = {slot.param.requires_grad for slot in self.slots}
-            if flags == {want}:
-                return
             if len(flags) > 1:
                 names = ", ".join(f"'{s.name}'={s.param.requires_grad}" for s in self.slots)
                 raise ValueError(
@@ -224,6 +230,7 @@ class ShardedParamGroup:
         for slot in self.slots:
             slot.param.requires_grad_(want)
         self._requires_grad = want
+        return True
 
     # -- gradients --------------------------------------------------------------------------
 
