@@ -218,3 +218,20 @@ def test_sync_module_states_starts_every_replica_from_rank_0(pools) -> None:
     for state in pools[2].run(different_initial_models, 2):
         for name, value in rank0.items():
             assert torch.equal(state[name], value), name
+
+
+def test_checkpoint_folders_commit_and_rotate(tmp_path: Path) -> None:
+    from accel_xla_fsdp.integration import checkpoints
+
+    root = tmp_path / "checkpoints"
+    for n in (0, 1, 2, 10):
+        (root / f"checkpoint_{n}").mkdir(parents=True)
+    (root / "checkpoint_11.partial").mkdir()  # what a save that died left: never a checkpoint
+    assert [p.name for p in checkpoints.numbered_checkpoints(root)] == ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_10"]
+    checkpoints.rotate(root, total_limit=2)
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_11.partial", "checkpoint_2"]
+    (root / "checkpoint_11.partial" / "new").write_text("new")
+    (root / "checkpoint_2" / "old").write_text("old")
+    checkpoints.commit_folder(root / "checkpoint_11.partial", root / "checkpoint_2")  # replaces a folder saved before
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_2"]
+    assert [p.name for p in (root / "checkpoint_2").iterdir()] == ["new"]

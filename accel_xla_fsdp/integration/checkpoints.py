@@ -90,11 +90,11 @@ def save(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], full_st
             consolidate(sharded_dir(partial, index), consolidated_dir(partial, index), config=config, progress=False)
     accelerator.wait_for_everyone()
     if main:
-        _commit(partial, folder)
+        commit_folder(partial, folder)
     accelerator.wait_for_everyone()
 
 
-def _commit(partial: Path, folder: Path) -> None:
+def commit_folder(partial: Path, folder: Path) -> None:
     """``partial`` becomes ``folder``; an older ``folder`` is removed only after the rename."""
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
