@@ -96,8 +96,8 @@ def main() -> None:
             with accelerator.accumulate(model):
                 # The attention mask spares transformers 5 a value read back to the host
                 # mid-forward, which would run the forward so far outside the replicas' turns.
-                ids = batch["input_ids"]
-                out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+                tokens = batch["input_ids"]
+                out = model(input_ids=tokens, attention_mask=torch.ones_like(tokens), labels=tokens)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients:
                     norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
