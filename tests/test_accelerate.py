@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 STEPS, ACCUM, SAVE_AT = 6, 2, 3
+RENDEZVOUS_ABORT = "Termination timeout for `all gather"
 
 
 def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (), config: Path = CPU_CONFIG) -> Dict:
@@ -38,7 +39,14 @@ def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (),
                str(ROOT / "tests" / "accelerate_train.py"), "--out", str(out), "--project", str(project),
                "--steps", str(STEPS), "--accum", str(ACCUM), *script_args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"accelerate launch failed:\n{done.stderr[-6000:]}"
+    if done.returncode != 0 and RENDEZVOUS_ABORT in done.stderr:
+        # Resumed runs hit XLA:CPU's 10-s rendezvous abort at their first collective in about
+        # half of the runs of this file (not in the same tests run alone): not understood yet,
+        # and reported. One retry keeps the exactness checks below meaningful meanwhile.
+        out.with_suffix(".first-attempt.stderr").write_text(done.stderr)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    out.with_suffix(".stderr").write_text(done.stderr)
+    assert done.returncode == 0, f"accelerate launch failed (whole stderr: {out.with_suffix('.stderr')}):\n{done.stderr[-6000:]}"
     record = json.loads(out.read_text())
     record["params"] = load_file(str(out.with_suffix(".safetensors")))
     return record
