@@ -53,6 +53,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, ge
 
 import accel_xla_fsdp
 from accel_xla_fsdp import Accelerator, seeded
+from accel_xla_fsdp.integration.checkpoints import numbered_checkpoints
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 VOCAB = 256  # byte-level: token = UTF-8 byte
@@ -163,8 +164,7 @@ class History:
 
 def checkpoints_of(output_dir: Path) -> List[Path]:
     """The ``checkpoint_<n>`` folders ``save_state`` wrote under ``output_dir``, oldest first."""
-    found = [p for p in (output_dir / "checkpoints").glob("checkpoint_*") if p.name.split("_")[1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    return numbered_checkpoints(output_dir / "checkpoints")
 
 
 def training_batches(accelerator: Accelerator, loader: Any, step: int, accum: int) -> Iterator[Dict[str, torch.Tensor]]:

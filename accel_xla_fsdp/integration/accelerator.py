@@ -210,7 +210,7 @@ class Accelerator(accelerate.Accelerator):
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Sharded checkpoint of every prepared model and optimizer, plus Accelerate's own state."""
-        if not any(isinstance(m, XlaFullyShardedDataParallel) for m in self._models):
+        if not self._sharded_models():
             return super().save_state(output_dir, safe_serialization, **kwargs)
         config = self.project_configuration
         if config.automatic_checkpoint_naming:
@@ -232,7 +232,7 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         """Load a ``save_state`` folder (the newest numbered one with automatic naming), on any
         number of replicas; later automatic saves are numbered after it."""
-        if not any(isinstance(m, XlaFullyShardedDataParallel) for m in self._models):
+        if not self._sharded_models():
             return super().load_state(input_dir, load_kwargs, **kwargs)
         config = self.project_configuration
         if input_dir is not None:
@@ -254,9 +254,11 @@ class Accelerator(accelerate.Accelerator):
             config.iteration = number + 1
         logger.info(f"Loaded the state from {folder}")
 
+    def _sharded_models(self) -> List[XlaFullyShardedDataParallel]:
+        return [m for m in self._models if isinstance(m, XlaFullyShardedDataParallel)]
+
     def _model_optimizer_pairs(self) -> List[checkpoints.ModelAndOptimizer]:
-        models = [m for m in self._models if isinstance(m, XlaFullyShardedDataParallel)]
-        return checkpoints.pair_optimizers(models, self._optimizers)
+        return checkpoints.pair_optimizers(self._sharded_models(), self._optimizers)
 
 
 def _set_local_process_index(state: Any) -> None:
