@@ -419,15 +419,20 @@ def ordering_zero(deps: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """On the CPU, an exact zero computed from ``deps``, for ``order_after``; elsewhere None.
 
     Made once per unit and added to the operand of its first gather only, which the unit's other
-    gathers follow (collectives are ordered among themselves): every replica traces it, and
-    tracing is the host's share of a step. One element of each dependency (fewest traced ops),
-    ``nan_to_num`` before the sum (a ``-inf`` mask) and after it (an overflow), so that the zero
-    cannot turn into NaN.
+    gathers follow (collectives are ordered among themselves). Every replica traces it, and
+    tracing is the host's share of a step, so it is built from as little as orders the gather:
+    of a forward's inputs, those that carry gradient when any do (the activations of the unit
+    before; position embeddings and masks are computed before the first unit, and a gather
+    ordered after the activations follows them too); of each, one element (``cat`` promotes
+    dtypes); then times zero and ``nan_to_num`` (an infinite or NaN element times zero is NaN),
+    which the compiler cannot fold away.
     """
     if not on_cpu() or not deps:
         return None
-    firsts = torch.cat([_flat(d)[:1].float() for d in deps])
-    return torch.nan_to_num(torch.nan_to_num(firsts).sum()) * 0
+    deps = [d for d in deps if d.requires_grad] or deps
+    firsts = [_flat(d)[:1] for d in deps]
+    first = firsts[0] if len(firsts) == 1 else torch.cat(firsts)
+    return torch.nan_to_num(first.float() * 0).sum()
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,30 +16,37 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _xla
-from .param_group import ShardedParamGroup
+from .param_group import ShardedParamGroup, adopt_gathered
 
 
-@torch.no_grad()
 def gather_groups(
-    groups: Sequence[ShardedParamGroup], barrier: bool, zero: Optional[torch.Tensor], dtype: Optional[torch.dtype]
+    groups: Sequence[ShardedParamGroup],
+    coalesce: bool,
+    barrier: bool,
+    zero: Optional[torch.Tensor],
+    dtype: Optional[torch.dtype],
 ) -> None:
-    """Gather ``groups`` (none gathered yet; one unit's) in one all-gather.
+    """Gather ``groups`` (none gathered yet; one unit's): one all-gather each, or with
+    ``coalesce`` one for all of them. Call under ``torch.no_grad()``.
 
-    With ``barrier``, an optimization barrier follows the gather, and on the CPU ``zero``
-    (``_xla.ordering_zero``) ties it to what it must follow (see [Note: optimization barriers]).
-    ``dtype``: see ``ShardedParamGroup.gather_input``.
+    With ``barrier``, one optimization barrier follows the gathers (torch_xla's coalesced form),
+    and on the CPU ``zero`` (``_xla.ordering_zero``) ties the first to what it must follow (see
+    [Note: optimization barriers]); the others follow it, as XLA orders collectives among
+    themselves. ``dtype``: see ``ShardedParamGroup.gather_input``.
     """
     inputs = [g.gather_input(dtype) for g in groups]
-    inputs[0] = _xla.order_after(inputs[0], zero)  # one operand is enough: the collective is one
+    inputs[0] = _xla.order_after(inputs[0], zero)
     sharding, options = groups[0].sharding, groups[0].options
+    pin = options.pin_layout_in_collective_ops
     if sharding.world_size == 1:
         gathered = inputs
+    elif coalesce:
+        gathered = _xla.all_gather_coalesced(inputs, sharding.groups, pin)
     else:
-        gathered = _xla.all_gather_coalesced(inputs, sharding.groups, options.pin_layout_in_collective_ops)
+        gathered = [_xla.all_gather(t, sharding.groups, pin) for t in inputs]
     if barrier:
         _xla.optimization_barrier_(gathered)
-    for group, full in zip(groups, gathered):
-        group.adopt_gathered(full)
+    adopt_gathered(groups, gathered)
 
 
 class GradBucket:
@@ -68,7 +75,7 @@ class GradBucket:
         if full is None:
             return []
         if barrier:
-            _xla.optimization_barrier_([full])
+            _xla.optimization_barrier_([group.shard, full])  # see [Note: optimization barriers]
         self._groups.append(group)
         self._grads.append(full)
         self._bytes += full.numel() * full.element_size()
@@ -79,10 +86,9 @@ class GradBucket:
         self.groups_taken = 0
         return self.flush(barrier)
 
-    @torch.no_grad()
     def flush(self, barrier: bool) -> List[torch.Tensor]:
         """Reduce-scatter the bucket (mean over the sharding group) into its groups' ``shard.grad``;
-        returns the reduced gradient shards, in the shards' dtype."""
+        returns the reduced gradient shards, in the shards' dtype. Call under ``torch.no_grad()``."""
         if not self._groups:
             return []
         groups, grads = self._groups, self._grads

@@ -24,7 +24,7 @@ from . import _xla, hooks
 from .collectives import GradBucket, gather_groups
 from .linear import patch_linear_modules
 from .options import FsdpOptions, ShardingGroup, check_debug_arguments, options_help, wrapper_signature
-from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, shard_param_name
+from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, free_groups, shard_param_name
 from .state_dict import WRAPPED_MODULE, full_state_dict, named_units, shard_metadata
 from .wrap import recursive_wrap, resolve_policy
 
@@ -199,23 +199,29 @@ class XlaFullyShardedDataParallel(nn.Module):
     def params_gathered(self) -> bool:
         return all(g.gathered for g in self.param_groups)
 
-    def gather_params(self, deps: Optional[List[torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
+    def gather_params(
+        self,
+        deps: Optional[List[torch.Tensor]],
+        dtype: Optional[torch.dtype] = None,
+        after_collectives: Sequence[torch.Tensor] = (),
+    ) -> None:
         """Gather every group of this unit (in one all-gather with ``coalesce_all_gather_ops``);
-        with ``deps``, not before those are computed."""
+        with ``deps``, not before those are computed. ``after_collectives``: more dependencies,
+        outputs of collectives (reduced gradients), which the barrier takes too; on the CPU the
+        gather follows them anyway (XLA orders collectives among themselves), so the ordering
+        zero, traced from each dependency, leaves them out."""
         pending = [g for g in self.param_groups if not g.gathered]
         if not pending:
             return
-        zero = None
-        if deps is not None:
-            _xla.optimization_barrier_(self._shards() + deps)
-            zero = _xla.ordering_zero(deps)
-        for groups in [pending] if self.options.coalesce_all_gather_ops else [[g] for g in pending]:
-            gather_groups(groups, deps is not None, zero, dtype)
-            zero = None  # the later gathers follow this one: XLA:CPU orders collectives among themselves
+        with torch.no_grad():
+            zero = None
+            if deps is not None:
+                _xla.optimization_barrier_(self._shards() + deps + list(after_collectives))
+                zero = _xla.ordering_zero(deps)
+            gather_groups(pending, self.options.coalesce_all_gather_ops, deps is not None, zero, dtype)
 
     def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
-        for group in self.param_groups:
-            group.free()
+        free_groups(self.param_groups)
         if deps is not None:
             _xla.optimization_barrier_(self._shards() + deps)
 

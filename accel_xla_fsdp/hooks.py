@@ -28,7 +28,9 @@ optimization barriers at these points (proven on TPUs), and so do we, with the s
              barrier(shards + outputs) after the free;
   backward:  the gradients reaching a unit's inputs and outputs, and each reduced gradient, are
              collected as dependencies; barrier(shards + dependencies) before the backward gather;
-             barrier(full gradient) before the reduce-scatter, barrier(reduced) after it.
+             barrier(shard + full gradient) before the reduce-scatter (torch_xla's barrier(shard +
+             gradient) at the free and barrier(padded gradient) in one: the padded gradient is
+             computed from the gradient), barrier(reduced) after it.
 Measured on XLA:CPU (torch_xla 2.9; tests/test_compiled_program.py): the two gathers are never
 merged there, barriers or not, because torch_xla threads a token through the collectives of a
 graph (each collective's operand is ``input + token``), and XLA:CPU removes the barriers right
@@ -71,7 +73,8 @@ class RootState:
         self.units = units
         self.root = units[0]
         self.device = _xla.device()
-        self.backward_deps: List[torch.Tensor] = []
+        self.backward_deps: List[torch.Tensor] = []  # gradients computed since the last gather
+        self.reduced_grads: List[torch.Tensor] = []  # reduce-scatter outputs since the last gather
         self.finalize_queued = False
         self.forward_order: List[Unit] = []  # of the last forward
         self.sync_gradients = True
@@ -199,8 +202,9 @@ def _pre_backward(unit: Unit, grad: torch.Tensor) -> torch.Tensor:
     if barrier:
         state.backward_deps.append(grad)
     if not unit.params_gathered:
-        unit.gather_params(state.backward_deps if barrier else None)
+        unit.gather_params(state.backward_deps if barrier else None, after_collectives=state.reduced_grads)
         state.backward_deps.clear()
+        state.reduced_grads.clear()
     if unit.options.backward_prefetch:
         _prefetch_next(unit, state, grad if barrier else None)
     if unit.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
@@ -232,6 +236,7 @@ def ensure_grad_hooks(unit: Unit, group: ShardedParamGroup) -> None:
             group.grad_hooked.add(id(param))
 
 
+@torch.no_grad()
 def _on_grad_accumulated(unit: Unit, group: ShardedParamGroup, param: torch.Tensor) -> None:
     unit.training_state = TrainingState.BACKWARD_POST
     if group.note_grad_ready() and unit.root_state.sync_gradients:
@@ -243,12 +248,8 @@ def _on_grad_accumulated(unit: Unit, group: ShardedParamGroup, param: torch.Tens
 def _reduce_group(unit: Unit, group: ShardedParamGroup) -> None:
     """Free the group's full parameters and put its gradients in the unit's bucket, which
     reduce-scatters them at once or with the groups after them (collectives.GradBucket)."""
-    barrier = unit.options.optimization_barrier_in_backward
-    grads = [p.grad for p in group.full_params if p.grad is not None]
     group.free()
-    if barrier:
-        _xla.optimization_barrier_([group.shard] + grads)
-    _note_reduced(unit, unit.grad_bucket.add(group, barrier))
+    _note_reduced(unit, unit.grad_bucket.add(group, unit.options.optimization_barrier_in_backward))
 
 
 def _end_unit_backward(unit: Unit) -> None:
@@ -258,7 +259,7 @@ def _end_unit_backward(unit: Unit) -> None:
 
 def _note_reduced(unit: Unit, reduced: List[torch.Tensor]) -> None:
     if unit.options.optimization_barrier_in_backward:
-        unit.root_state.backward_deps.extend(reduced)
+        unit.root_state.reduced_grads.extend(reduced)
 
 
 @torch.no_grad()
@@ -276,8 +277,9 @@ def _finalize_backward(state: RootState) -> None:
     root = state.root
     if root.options.optimization_barrier_in_backward:
         shards = [p for p in root.parameters() if p.grad is not None]
-        _xla.optimization_barrier_(shards + [p.grad for p in shards] + state.backward_deps)
+        _xla.optimization_barrier_(shards + [p.grad for p in shards] + state.backward_deps + state.reduced_grads)
     state.backward_deps.clear()
+    state.reduced_grads.clear()
     state.finalize_queued = False
     if root.options.sync_on_finalization:
         _xla.sync()

@@ -141,33 +141,29 @@ class ShardedParamGroup:
     # -- gather and free --------------------------------------------------------------------
 
     def gather_input(self, dtype: Optional[torch.dtype]) -> torch.Tensor:
-        """This replica's shard as the all-gather takes it (``collectives.gather_groups``).
+        """This replica's shard as the all-gather takes it (``collectives.gather_groups``, under
+        ``no_grad``: no detach to trace).
 
         In ``dtype`` (default: the compute dtype; ``summon_full_params`` gathers in the shard's
         own), and on a TPU's flat layout in torch_xla's (-1, 128) tiles, which gather faster than
         a long vector.
         """
-        shard = self.shard.detach().to(dtype or self.options.compute_dtype)
+        shard = self.shard.to(dtype or self.options.compute_dtype)
         if self._tiled:
             return shard.view(-1, self.options.shard_size_multiple)
         return shard
 
-    def adopt_gathered(self, gathered: torch.Tensor) -> None:
-        """Point every full parameter at its slice of the all-gathered ``gather_input``."""
-        full = gathered.flatten() if self._tiled else gathered
-        _xla.replace_data(self.full_params, self._views(full))
-        self.gathered = True
+    def full_views(self, gathered: torch.Tensor) -> List[torch.Tensor]:
+        """Each full parameter's part of the all-gathered ``gather_input``."""
+        return self._views(gathered.flatten() if self._tiled else gathered)
 
-    @property
+    @functools.cached_property
     def _tiled(self) -> bool:
         return not self.spec.dim0 and self.options.shard_size_multiple > 1
 
     def free(self) -> None:
         """Point every full parameter back at the 1-element placeholder."""
-        if not self.gathered:
-            return
-        _xla.replace_data(self.full_params, [self._placeholder] * len(self.slots))
-        self.gathered = False
+        free_groups([self])
 
     @property
     def full_params(self) -> List[nn.Parameter]:
@@ -251,11 +247,10 @@ class ShardedParamGroup:
     def has_pending_grads(self) -> bool:
         return any(slot.param.grad is not None for slot in self.slots)
 
-    @torch.no_grad()
     def take_full_grad(self) -> Optional[torch.Tensor]:
         """The full gradients, padded and joined as the reduce-scatter takes them, in the reduce
         dtype; they are dropped from the full parameters. None when no parameter of the group
-        received a gradient."""
+        received a gradient. Call under ``torch.no_grad()``."""
         self._grads_seen = 0
         grads = [slot.param.grad for slot in self.slots]
         if all(g is None for g in grads):
@@ -268,10 +263,9 @@ class ShardedParamGroup:
         ref = next(g for g in grads if g is not None)
         return [g if g is not None else ref.new_zeros(s.shape) for g, s in zip(grads, self.slots)]
 
-    @torch.no_grad()
     def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
         """Accumulate this replica's reduced shard of the gradient into ``shard.grad``; returns
-        it in the shard's dtype (for barriers)."""
+        it in the shard's dtype (for barriers). Call under ``torch.no_grad()``."""
         reduced = reduced.to(self.shard.dtype)
         if barrier:
             _xla.optimization_barrier_([reduced])
@@ -280,3 +274,26 @@ class ShardedParamGroup:
         else:
             self.shard.grad += reduced
         return reduced
+
+
+def adopt_gathered(groups: Sequence[ShardedParamGroup], gathered: Sequence[torch.Tensor]) -> None:
+    """Point every full parameter of ``groups`` at its slice of its group's ``gathered`` tensor,
+    in one ``replace_data`` for all of them (each call is a context manager traced per replica)."""
+    params: List[nn.Parameter] = []
+    views: List[torch.Tensor] = []
+    for group, full in zip(groups, gathered):
+        params.extend(group.full_params)
+        views.extend(group.full_views(full))
+        group.gathered = True
+    _xla.replace_data(params, views)
+
+
+def free_groups(groups: Sequence[ShardedParamGroup]) -> None:
+    """Point the full parameters of ``groups`` back at their placeholder, in one ``replace_data``."""
+    gathered = [g for g in groups if g.gathered]
+    if not gathered:
+        return
+    params = [p for g in gathered for p in g.full_params]
+    _xla.replace_data(params, [g._placeholder for g in gathered for _ in g.slots])
+    for group in gathered:
+        group.gathered = False
