@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 STEPS, ACCUM, SAVE_AT = 6, 2, 3
-RENDEZVOUS_ABORT = "Termination timeout for `all gather"
 
 
 def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (), config: Path = CPU_CONFIG) -> Dict:
@@ -39,12 +38,6 @@ def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (),
                str(ROOT / "tests" / "accelerate_train.py"), "--out", str(out), "--project", str(project),
                "--steps", str(STEPS), "--accum", str(ACCUM), *script_args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and RENDEZVOUS_ABORT in done.stderr:
-        # Resumed runs hit XLA:CPU's 10-s rendezvous abort at their first collective in about
-        # half of the runs of this file (not in the same tests run alone): not understood yet,
-        # and reported. One retry keeps the exactness checks below meaningful meanwhile.
-        out.with_suffix(".first-attempt.stderr").write_text(done.stderr)
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     out.with_suffix(".stderr").write_text(done.stderr)
     assert done.returncode == 0, f"accelerate launch failed (whole stderr: {out.with_suffix('.stderr')}):\n{done.stderr[-6000:]}"
     record = json.loads(out.read_text())
@@ -116,6 +109,17 @@ def test_resume_on_two_replicas_reshards(unbroken, tmp_path) -> None:
     assert resumed["world"] == 2
     assert [s["ids"] for s in resumed["steps"]] == [s["ids"] for s in unbroken["steps"][SAVE_AT:]]
     reference = train_plain(unbroken["steps"], world=4)
+    check_params(resumed["params"], reference["params"], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_on_more_replicas_than_saved_reshards(tmp_path) -> None:
+    # Replicas 2 and 3 find no random states of their own in a 2-replica checkpoint: they must
+    # still resume at the saved step, or they run steps the others do not.
+    saved = launch(tmp_path / "saved.json", tmp_path / "project", "--save-at", str(SAVE_AT), launch_args=("--num_processes", "2"))
+    resumed = launch(tmp_path / "run.json", tmp_path / "project", "--resume")
+    assert (saved["world"], resumed["world"]) == (2, 4)
+    assert [s["ids"] for s in resumed["steps"]] == [s["ids"] for s in saved["steps"][SAVE_AT:]]
+    reference = train_plain(saved["steps"], world=2)
     check_params(resumed["params"], reference["params"], rtol=1e-4, atol=1e-5)
 
 

@@ -20,18 +20,27 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+from accelerate.utils import RNG_STATE_NAME
+from accelerate.utils import load as accelerate_load
 
 from .. import _xla
 from ..checkpoint import CheckpointError, consolidate, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
+# Accelerate's ``load`` adds torch's safe globals for ``torch.load`` and clears them afterwards:
+# a process-wide list. XLA:CPU replica threads loading at once clear each other's, a replica's
+# random states then fail to unpickle, and Accelerate logs that at info level and goes on with
+# its step at 0 (that replica then runs steps the others do not, and the run aborts at a
+# collective). One replica at a time reads Accelerate's files.
+_accelerate_files = threading.Lock()
 ModelAndOptimizer = Tuple[XlaFullyShardedDataParallel, Optional[torch.optim.Optimizer]]
 
 
@@ -125,10 +134,22 @@ def load(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], load_kw
                 "load a folder written by accel_xla_fsdp's Accelerator.save_state"
             )
         load_sharded(model, optimizer, str(source))
-    restored = load_accelerator_state(
-        str(folder), [], [], accelerator._schedulers, accelerator._dataloaders, accelerator.process_index,
-        None, "cpu", load_kwargs,
-    )
-    for index, obj in enumerate(accelerator._custom_objects):
-        load_custom_state(obj, str(folder), index)
+    with _accelerate_files:
+        restored = load_accelerator_state(
+            str(folder), [], [], accelerator._schedulers, accelerator._dataloaders, accelerator.process_index,
+            None, "cpu", load_kwargs,
+        )
+        for index, obj in enumerate(accelerator._custom_objects):
+            load_custom_state(obj, str(folder), index)
+        if "step" not in restored:
+            restored["step"] = saved_step(folder)
     return restored
+
+
+def saved_step(folder: Path) -> int:
+    """The step saved with rank 0's random states. A replica that has no random states of its own
+    (resumed on more replicas than saved) still resumes at the step the others do."""
+    path = folder / f"{RNG_STATE_NAME}_0.pkl"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no {path.name}: not a complete save_state folder (it holds the step to resume at)")
+    return int(accelerate_load(path)["step"])
