@@ -14,7 +14,7 @@ import functools
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -54,14 +54,18 @@ _SOURCE_READS = threading.Lock()
 _WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 ParamInitFn = Callable[[nn.Module], None]
+FlatShardKey = Callable[[nn.Parameter], Hashable]
 
 
 class XlaFullyShardedDataParallel(nn.Module):
     """Shard a module's parameters across XLA replicas (a drop-in for torch_xla's class).
 
     Takes torch_xla's arguments, names and defaults (``FsdpOptions`` documents each option), plus
-    ``auto_wrap_policy`` / ``auto_wrapper_callable`` (wrap submodules as units of their own) and
-    ``param_init_fn`` (materialize parameters built on the meta device). Build the optimizer after
+    ``auto_wrap_policy`` / ``auto_wrapper_callable`` (wrap submodules as units of their own),
+    ``param_init_fn`` (materialize parameters built on the meta device) and ``flat_shard_key``
+    (ours: with ``flatten_parameters``, parameters whose keys differ, ``flat_shard_key(param)``,
+    get separate flat shards, as trainable and frozen ones do; for instance one key per optimizer
+    param group, whose hyper-parameters a shard cannot mix). Build the optimizer after
     wrapping, on ``wrapped.parameters()`` (the shards), and step it with ``optimizer.step()``:
     gradients arrive already reduced and sharded.
     """
@@ -72,6 +76,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         options = FsdpOptions.from_arguments(arguments)
         policy, wrapper_fn = arguments.get("auto_wrap_policy"), arguments.get("auto_wrapper_callable")
         param_init_fn: Optional[ParamInitFn] = arguments.get("param_init_fn")
+        flat_shard_key: Optional[FlatShardKey] = arguments.get("flat_shard_key")
         source = param_init_fn if isinstance(param_init_fn, ShardSource) else None
         if source is not None:
             source.remember_names(module)  # the outermost wrapper sees the model's full names
@@ -82,17 +87,19 @@ class XlaFullyShardedDataParallel(nn.Module):
         if policy is not None:
             _check_not_wrapped_inside(module)
             # Auto-wrapped units get the same arguments (torch_xla's names), hence the same options.
-            unit_kwargs = dict(options.as_arguments(), param_init_fn=param_init_fn)
+            unit_kwargs = dict(options.as_arguments(), param_init_fn=param_init_fn, flat_shard_key=flat_shard_key)
             recursive_wrap(module, resolve_policy(policy, module), wrapper_fn or XlaFullyShardedDataParallel, unit_kwargs)
         if source is None:
             _materialize_meta(module, param_init_fn)
         else:
             _check_no_meta_buffers(module)
-        self._init_unit(module, options, source)
+        self._init_unit(module, options, source, flat_shard_key)
 
     # -- construction -----------------------------------------------------------------------
 
-    def _init_unit(self, module: nn.Module, options: FsdpOptions, source: Optional[ShardSource]) -> None:
+    def _init_unit(
+        self, module: nn.Module, options: FsdpOptions, source: Optional[ShardSource], flat_shard_key: Optional[FlatShardKey]
+    ) -> None:
         self.options = options
         self.sharding = ShardingGroup.for_replica(options)
         self.training_state = hooks.TrainingState.IDLE
@@ -104,7 +111,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         device = _xla.device()
         owned = _owned_parameters(module)
         _check_devices(module, owned, device)
-        self.param_groups = self._build_groups(owned, device, source)
+        self.param_groups = self._build_groups(owned, device, source, flat_shard_key)
         self.grad_bucket = GradBucket(options.bucket_bytes)
         for group in self.param_groups:
             self.register_parameter(group.spec.shard_name, group.shard)
@@ -126,17 +133,16 @@ class XlaFullyShardedDataParallel(nn.Module):
     def is_root(self) -> bool:
         return self.root_state.root is self
 
-    def _build_groups(self, owned: _OwnedParams, device: torch.device, source: Optional[ShardSource]) -> List[ShardedParamGroup]:
+    def _build_groups(
+        self, owned: _OwnedParams, device: torch.device, source: Optional[ShardSource], flat_shard_key: Optional[FlatShardKey]
+    ) -> List[ShardedParamGroup]:
         full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
         named = [(full[id(p)], p, owners[0][2]) for p, owners in owned]
         aliases = {id(full[id(p)]): tuple(o[2] for o in owners[1:]) for p, owners in owned}
         if not self.options.flatten_parameters:
             groups = [self._make_group([entry], None, device) for entry in named]
         else:
-            trainable = [e for e in named if e[1].requires_grad]
-            frozen = [e for e in named if not e[1].requires_grad]
-            parts = [part for part in (trainable, frozen) if part]
-            groups = [self._make_group(part, i, device) for i, part in enumerate(parts)]
+            groups = [self._make_group(part, i, device) for i, part in enumerate(_flat_parts(named, flat_shard_key))]
         for group in groups:
             for slot in group.slots:
                 slot.aliases = aliases[id(slot.param)]
@@ -374,7 +380,7 @@ def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, An
     except TypeError as e:
         raise TypeError(
             f"XlaFullyShardedDataParallel: {e}. Its options are {', '.join(options_help())}, and "
-            "auto_wrap_policy, auto_wrapper_callable, param_init_fn."
+            "auto_wrap_policy, auto_wrapper_callable, param_init_fn, flat_shard_key."
         ) from None
     return dict(bound.arguments)
 
@@ -460,6 +466,17 @@ def _has_meta_tensors(m: nn.Module) -> bool:
 # Construction helpers
 
 _OwnedParams = List[Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]]
+_Entry = Tuple[nn.Parameter, nn.Parameter, str]  # full parameter, original parameter, name
+
+
+def _flat_parts(named: List[_Entry], key: Optional[FlatShardKey]) -> List[List[_Entry]]:
+    """A unit's parameters split into the parts flattened together: trainable ones before frozen
+    ones, and within each, apart by ``key`` (in order of first appearance)."""
+    parts: Dict[Tuple[bool, Hashable], List[_Entry]] = {}
+    for entry in named:
+        orig = entry[1]
+        parts.setdefault((not orig.requires_grad, key(orig) if key is not None else None), []).append(entry)
+    return [part for _, part in sorted(parts.items(), key=lambda item: item[0][0])]  # stable: trainable first
 
 
 def _check_wrappable(module: nn.Module) -> None:

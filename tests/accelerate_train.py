@@ -88,6 +88,7 @@ def main() -> None:
     record = {
         "steps": [], "world": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
         "reshard_after_forward": model.options.reshard_after_forward,  # from the config file
+        "flatten_parameters": model.options.flatten_parameters,
     }
     while step < args.steps:
         ids, losses, norms = [], [], []

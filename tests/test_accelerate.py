@@ -82,7 +82,7 @@ def check_params(params: Dict[str, torch.Tensor], reference: Dict[str, torch.Ten
 
 
 def test_training_matches_one_plain_model(unbroken) -> None:
-    assert unbroken["world"] == 4 and len(unbroken["steps"]) == STEPS
+    assert unbroken["world"] == 4 and len(unbroken["steps"]) == STEPS and unbroken["flatten_parameters"]
     ids = [sorted(i for micro in s["ids"] for i in micro) for s in unbroken["steps"]]
     assert all(len(set(i)) == 8 * ACCUM for i in ids), "each step takes distinct rows"
     reference = train_plain(unbroken["steps"], world=4)
@@ -124,14 +124,15 @@ def test_resume_on_more_replicas_than_saved_reshards(tmp_path) -> None:
 
 
 def test_bf16_computes_in_bf16_and_tracks_fp32(tmp_path) -> None:
-    # The config file alone says bf16, 2 devices and no resharding after forward: what reaches
-    # the replicas is what accelerate launch was given.
+    # The config file alone says bf16, 2 devices, no resharding after forward and one shard per
+    # parameter: what reaches the replicas is what accelerate launch was given.
     text = CPU_CONFIG.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16")
     text = text.replace("num_processes: 4", "num_processes: 2").replace("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false")
+    text = text.replace("xla_fsdp_flatten_parameters: true", "xla_fsdp_flatten_parameters: false")
     config = tmp_path / "bf16.yaml"
     config.write_text(text)
     run = launch(tmp_path / "run.json", tmp_path / "project", config=config)
-    assert (run["mixed_precision"], run["world"], run["reshard_after_forward"]) == ("bf16", 2, False)
+    assert (run["mixed_precision"], run["world"], run["reshard_after_forward"], run["flatten_parameters"]) == ("bf16", 2, False, False)
     reference = train_plain(run["steps"], world=2)
     losses = torch.tensor([s["losses"] for s in run["steps"]])
     torch.testing.assert_close(losses, torch.tensor(reference["losses"]), rtol=1e-2, atol=0)

@@ -16,6 +16,7 @@ from accelerate.utils import broadcast
 from torch.utils.data import DataLoader
 
 import accelerate_train as script
+import accel_xla_fsdp
 from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
 from accel_xla_fsdp.checkpoint import CheckpointError
 from accel_xla_fsdp.integration.plugin import CONFIG_FILE_ENV
@@ -104,7 +105,9 @@ def prepare_errors(rank: int, world: int, folder: str) -> Dict[str, str]:
     caught("block class", lambda: Accelerator(fsdp_plugin=XlaFsdpPlugin(transformer_cls_names_to_wrap="GPT2Block")).prepare(script.build_model()))
     flat = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=True))
     model = script.build_model()
-    caught("flat groups", lambda: flat.prepare(model, script.optimizer_for(model)))
+    optimizer = script.optimizer_for(model)
+    flat.prepare(model)  # alone: its flat shards cannot be split by the optimizer's groups
+    caught("flat groups", lambda: flat.prepare(optimizer))
     small = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     caught("clip", lambda: acc.clip_grad_norm_(list(small.parameters())[:0], 1.0))
     caught("load other model", lambda: acc.load_state(folder))
@@ -118,8 +121,73 @@ def test_prepare_errors_name_what_is_wrong(pools, tmp_path: Path) -> None:
     assert "not in the model being prepared" in errors["other optimizer"]
     assert "GPT2Block" in errors["block class"] and "LlamaDecoderLayer" in errors["block class"]
     assert "xla_fsdp_flatten_parameters: false" in errors["flat groups"] and "weight_decay" in errors["flat groups"]
+    assert "same prepare() call" in errors["flat groups"]
     assert "model.parameters()" in errors["clip"]
     assert errors["load other model"].startswith(CheckpointError.__name__) and "another model" in errors["load other model"]
+
+
+STEPS = 3
+LAYOUTS = {  # name: (flatten_parameters, optimizer prepared in a later prepare() call)
+    "flat": (True, False), "per-parameter": (False, False), "per-parameter, optimizer later": (False, True),
+}
+
+
+def batch(world: int) -> torch.Tensor:
+    return torch.randint(0, script.VOCAB, (2 * world, script.SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def train_with_decay_groups(rank: int, world: int, layout: str) -> Dict[str, Any]:
+    """``STEPS`` AdamW steps on this replica's rows, the optimizer in two groups (weight decay 0.1
+    and 0): its groups' shards, the losses and the final weights."""
+    flatten, later = LAYOUTS[layout]
+    acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=flatten))
+    model = script.build_model()
+    optimizer = script.optimizer_for(model)
+    if later:
+        model = acc.prepare(model)
+        optimizer = acc.prepare(optimizer)
+    else:
+        model, optimizer = acc.prepare(model, optimizer)
+    groups = [{id(p) for p in g["params"]} for g in optimizer.param_groups]
+    shards = {id(p) for p in model.parameters()}
+    ids = batch(world)[rank::world].to(acc.device)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+        accel_xla_fsdp.sync()
+    return {
+        "shards": len(shards), "in groups": [len(g) for g in groups], "every shard in one group": groups[0] | groups[1] == shards
+        and not groups[0] & groups[1], "losses": torch.stack(losses).cpu(), "state": acc.get_state_dict(model),
+    }
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_param_groups_keep_their_settings_in_every_layout(pools, layout: str) -> None:
+    # One plain model on the whole batch: the reference.
+    world = 2
+    plain = script.build_model()
+    optimizer = script.optimizer_for(plain)
+    ids, plain_losses = batch(world), []
+    for _ in range(STEPS):
+        loss = plain(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        plain_losses.append(loss.item())
+    results = pools[world].run(train_with_decay_groups, world, layout)
+    blocks = script.model_config().num_hidden_layers
+    for out in results:
+        assert out["every shard in one group"]
+        if layout == "flat":  # each unit's shard split in two: decayed matrices, undecayed norms
+            assert (out["shards"], out["in groups"]) == (2 * (blocks + 1), [blocks + 1, blocks + 1])
+        losses = torch.stack([r["losses"] for r in results]).mean(0)
+        torch.testing.assert_close(losses, torch.tensor(plain_losses), rtol=1e-5, atol=1e-6)
+        for name, value in plain.state_dict().items():  # Adam's tolerance (see test_accelerate.py)
+            torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def save_small_model(rank: int, world: int, folder: str) -> None:

@@ -34,10 +34,10 @@ from accelerate.utils import DistributedType, synchronize_rng_states
 
 from .. import _xla
 from ..checkpointing import checkpoint_module
-from ..fsdp import XlaFullyShardedDataParallel
+from ..fsdp import FlatShardKey, XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
 from . import checkpoints, replica_threads
-from .optimizer import XlaFsdpOptimizer, move_onto_shards, parameter_names
+from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin, _PluginBase
 
 logger = get_logger(__name__)
@@ -79,6 +79,9 @@ class Accelerator(accelerate.Accelerator):
                 "launch with a config whose distributed_type is XLA (plugins/xla_fsdp_cpu.yaml)"
             )
         _set_local_process_index(self.state)
+        # id of a prepared model's own parameter -> its name, and the shard holding it
+        self._unwrapped_names: Dict[int, str] = {}
+        self._shard_of: Dict[int, nn.Parameter] = {}
 
     @property
     def mixed_precision(self) -> str:
@@ -87,31 +90,41 @@ class Accelerator(accelerate.Accelerator):
     # -- prepare -------------------------------------------------------------------------------
 
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
-        """Accelerate's ``prepare``, after sharding the models and moving their optimizers onto the shards."""
+        """Accelerate's ``prepare``, after sharding the models and moving their optimizers onto the
+        shards: those prepared with a model, and later ones still holding a model's own parameters.
+
+        Flat shards keep the param groups of the optimizers prepared with the model apart (one
+        shard per unit and group), so that each group keeps its hyper-parameters."""
         args = list(args)
-        names: Dict[int, str] = {}  # id of an unwrapped model's parameter -> its name
-        shards: Dict[str, nn.Parameter] = {}  # that name -> the shard holding it
+        optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
+        models_here = False
         for i, obj in enumerate(args):
             if isinstance(obj, nn.Module) and not isinstance(obj, XlaFullyShardedDataParallel):
-                names.update(parameter_names(obj))
-                args[i] = self.shard_model(obj)
-                shards.update(shards_by_name(args[i]))
-        if names:
-            for obj in args:
-                if isinstance(obj, torch.optim.Optimizer):
-                    move_onto_shards(obj, names, shards, "model")
+                models_here = True
+                names = parameter_names(obj)
+                args[i] = self.shard_model(obj, flat_shard_key=param_group_key(optimizers))
+                by_name = shards_by_name(args[i])
+                self._unwrapped_names.update(names)
+                self._shard_of.update({pid: by_name[name] for pid, name in names.items()})
+        for optimizer in optimizers:
+            if models_here or holds_any(optimizer, self._shard_of):
+                move_onto_shards(optimizer, self._unwrapped_names, self._shard_of, "model")
         return super().prepare(*args, device_placement=device_placement)
 
-    def shard_model(self, model: nn.Module) -> XlaFullyShardedDataParallel:
+    def shard_model(self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None) -> XlaFullyShardedDataParallel:
         """``model`` wrapped by the plugin's settings, every replica starting from rank 0's weights
-        if ``fsdp_sync_module_states``; ``transformers``' gradient checkpointing becomes ours."""
+        if ``fsdp_sync_module_states``; ``transformers``' gradient checkpointing becomes ours.
+        ``flat_shard_key``: see ``XlaFullyShardedDataParallel``."""
         plugin = self.xla_fsdp_plugin
         if plugin.sync_module_states and self.num_processes > 1:
             if not _xla.replicas_are_threads():
                 model.to(self.device)  # torch_xla's broadcast runs on the device
             _xla.broadcast_from_rank0_([*model.parameters(), *model.buffers()])
         blocks = _take_over_gradient_checkpointing(model)
-        wrapped = plugin.wrap(model, self.compute_dtype, checkpoint_blocks=plugin.activation_checkpointing and not blocks)
+        wrapped = plugin.wrap(
+            model, self.compute_dtype, checkpoint_blocks=plugin.activation_checkpointing and not blocks,
+            flat_shard_key=flat_shard_key,
+        )
         logger.info(f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units")
         return wrapped
 

@@ -8,11 +8,13 @@ hyper-parameters and groups stay the user's.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from accelerate.optimizer import AcceleratedOptimizer
+
+from ..fsdp import FlatShardKey
 
 
 def parameter_names(model: nn.Module) -> Dict[int, str]:
@@ -20,13 +22,30 @@ def parameter_names(model: nn.Module) -> Dict[int, str]:
     return {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
 
 
+def param_group_key(optimizers: Sequence[torch.optim.Optimizer]) -> FlatShardKey:
+    """A ``flat_shard_key`` that tells the param groups of ``optimizers`` apart (a parameter in
+    none of them gets ``None``): flat shards then never mix two groups' hyper-parameters."""
+    group_of: Dict[int, Tuple[int, int]] = {}
+    for i, optimizer in enumerate(optimizers):
+        for j, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                group_of.setdefault(id(p), (i, j))
+    return lambda p: group_of.get(id(p))
+
+
+def holds_any(optimizer: torch.optim.Optimizer, params: Dict[int, Any]) -> bool:
+    """Whether ``optimizer`` holds one of ``params`` (keyed by ``id``)."""
+    return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
+
+
 def move_onto_shards(
-    optimizer: torch.optim.Optimizer, names: Dict[int, str], shards: Dict[str, nn.Parameter], model_name: str
+    optimizer: torch.optim.Optimizer, names: Dict[int, str], shard_of: Dict[int, nn.Parameter], model_name: str
 ) -> None:
     """Point ``optimizer``'s groups at the shards holding their parameters.
 
-    ``names`` names the unwrapped model's parameters, ``shards`` gives each name's shard. A flat
-    shard holds several parameters: they must all be in groups with the same hyper-parameters.
+    ``names`` names the unwrapped models' parameters (by ``id``), ``shard_of`` gives each one's
+    shard. A flat shard holds several parameters: they must all be in groups with the same hyper-parameters
+    (``prepare`` splits flat shards by the groups of the optimizers prepared with the model).
     """
     if optimizer.state:
         raise ValueError(
@@ -38,7 +57,7 @@ def move_onto_shards(
     for index, group in enumerate(optimizer.param_groups):
         params: List[nn.Parameter] = []
         for p in group["params"]:
-            shard = _shard_of(p, names, shards, optimizer, model_name)
+            shard = _shard_of(p, shard_of, optimizer, model_name)
             first = owner.setdefault(id(shard), index)
             if first == index and all(s is not shard for s in params):
                 params.append(shard)
@@ -50,15 +69,15 @@ def move_onto_shards(
 
 
 def _shard_of(
-    p: torch.Tensor, names: Dict[int, str], shards: Dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, model_name: str
+    p: torch.Tensor, shard_of: Dict[int, nn.Parameter], optimizer: torch.optim.Optimizer, model_name: str
 ) -> nn.Parameter:
-    name = names.get(id(p))
-    if name is None:
+    shard = shard_of.get(id(p))
+    if shard is None:
         raise ValueError(
             f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not in the "
             f"{model_name} being prepared: build the optimizer from this model's parameters"
         )
-    return shards[name]
+    return shard
 
 
 def _check_same_hyperparameters(optimizer: torch.optim.Optimizer, first: int, other: int, name: str) -> None:
@@ -68,7 +87,8 @@ def _check_same_hyperparameters(optimizer: torch.optim.Optimizer, first: int, ot
     if a != b:
         raise ValueError(
             f"'{name}' shares a flat shard with parameters of another param group whose settings differ "
-            f"({_difference(a, b)}): one shard takes one set of hyper-parameters. Set "
+            f"({_difference(a, b)}): one shard takes one set of hyper-parameters. Prepare the optimizer "
+            "in the same prepare() call as its model (flat shards are then split by param group), set "
             "xla_fsdp_flatten_parameters: false (one shard per parameter), or use the same settings."
         )
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpointing import checkpoint_module
-from ..fsdp import XlaFullyShardedDataParallel
+from ..fsdp import FlatShardKey, XlaFullyShardedDataParallel
 from ..options import FsdpOptions, argument_name
 from ..wrap import Policy, size_policy, transformer_block_policy
 
@@ -178,7 +178,7 @@ def _engine_settings() -> Tuple[Setting, ...]:
             continue
         key = f.metadata["accelerate"] or f"xla_fsdp_{argument_name(f).lstrip('_')}"
         parse = _SPECIAL_PARSERS.get(f.name) or _TYPE_PARSERS[str(f.type)]
-        settings.append(Setting(f.name, key, key.upper(), f.default, f.metadata["help"], parse))
+        settings.append(Setting(f.name, key, key.upper(), f.metadata["accelerate_default"], f.metadata["help"], parse))
     return tuple(settings)
 
 
@@ -211,6 +211,7 @@ class _PluginBase:
 
     def __post_init__(self) -> None:
         config = _config_file_settings()
+        defaulted = set()
         for setting in SETTINGS:
             value = getattr(self, setting.name)
             if value is None and setting.env in os.environ:
@@ -219,7 +220,11 @@ class _PluginBase:
                 value = config.get(setting.key)
             if value is not None:
                 value = setting.parse(setting.key, value)
+            else:
+                defaulted.add(setting.name)
             setattr(self, setting.name, setting.default if value is None else value)
+        if self.shard_param_on_dim_0 and "flatten_parameters" in defaulted:
+            self.flatten_parameters = False  # dim-0 shards are per parameter: asking for them says so
         self._check_consistent()
 
     def _check_consistent(self) -> None:
@@ -252,14 +257,20 @@ class _PluginBase:
             return size_policy(self.min_num_params)
         return None
 
-    def wrap(self, model: nn.Module, compute_dtype: torch.dtype, checkpoint_blocks: bool) -> XlaFullyShardedDataParallel:
+    def wrap(
+        self, model: nn.Module, compute_dtype: torch.dtype, checkpoint_blocks: bool, flat_shard_key: Optional[FlatShardKey] = None
+    ) -> XlaFullyShardedDataParallel:
         """``model`` sharded by these settings (block class names checked against it); with
-        ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed."""
+        ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed.
+        ``flat_shard_key``: see ``XlaFullyShardedDataParallel``."""
         options = self.engine_options(compute_dtype)
         policy = self.wrap_policy(model)
         wrapper = _checkpointed_unit if checkpoint_blocks else None
         root = checkpoint_module(model) if checkpoint_blocks and policy is None else model
-        return XlaFullyShardedDataParallel(root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **options.as_arguments())
+        return XlaFullyShardedDataParallel(
+            root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, flat_shard_key=flat_shard_key,
+            **options.as_arguments(),
+        )
 
 
 def _checkpointed_unit(module: nn.Module, *args: Any, **kwargs: Any) -> XlaFullyShardedDataParallel:
