@@ -23,7 +23,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _xla, hooks
 from .collectives import GradBucket, gather_groups
 from .linear import patch_linear_modules
-from .options import FsdpOptions, ShardingGroup, check_debug_arguments, options_help, wrapper_signature
+from .options import (
+    CONSTRUCTION_ARGUMENTS,
+    EXTENSION_ARGUMENTS,
+    FsdpOptions,
+    ShardingGroup,
+    check_debug_arguments,
+    options_help,
+    wrapper_signature,
+)
 from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, free_groups, shard_param_name
 from .state_dict import WRAPPED_MODULE, full_state_dict, named_units, shard_metadata
 from .wrap import recursive_wrap, resolve_policy
@@ -380,7 +388,7 @@ def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, An
     except TypeError as e:
         raise TypeError(
             f"XlaFullyShardedDataParallel: {e}. Its options are {', '.join(options_help())}, and "
-            "auto_wrap_policy, auto_wrapper_callable, param_init_fn, flat_shard_key."
+            f"{', '.join(name for name, _ in CONSTRUCTION_ARGUMENTS + EXTENSION_ARGUMENTS)}."
         ) from None
     return dict(bound.arguments)
 

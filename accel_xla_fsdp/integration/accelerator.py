@@ -108,7 +108,7 @@ class Accelerator(accelerate.Accelerator):
                 self._shard_of.update({pid: by_name[name] for pid, name in names.items()})
         for optimizer in optimizers:
             if models_here or holds_any(optimizer, self._shard_of):
-                move_onto_shards(optimizer, self._unwrapped_names, self._shard_of, "model")
+                move_onto_shards(optimizer, self._unwrapped_names, self._shard_of)
         return super().prepare(*args, device_placement=device_placement)
 
     def shard_model(self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None) -> XlaFullyShardedDataParallel:

@@ -38,14 +38,13 @@ def holds_any(optimizer: torch.optim.Optimizer, params: Dict[int, Any]) -> bool:
     return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
 
 
-def move_onto_shards(
-    optimizer: torch.optim.Optimizer, names: Dict[int, str], shard_of: Dict[int, nn.Parameter], model_name: str
-) -> None:
+def move_onto_shards(optimizer: torch.optim.Optimizer, names: Dict[int, str], shard_of: Dict[int, nn.Parameter]) -> None:
     """Point ``optimizer``'s groups at the shards holding their parameters.
 
     ``names`` names the unwrapped models' parameters (by ``id``), ``shard_of`` gives each one's
-    shard. A flat shard holds several parameters: they must all be in groups with the same hyper-parameters
-    (``prepare`` splits flat shards by the groups of the optimizers prepared with the model).
+    shard. A flat shard holds several parameters: they must all be in groups with the same
+    hyper-parameters (``prepare`` splits flat shards by the groups of the optimizers prepared
+    with the model).
     """
     if optimizer.state:
         raise ValueError(
@@ -57,7 +56,7 @@ def move_onto_shards(
     for index, group in enumerate(optimizer.param_groups):
         params: List[nn.Parameter] = []
         for p in group["params"]:
-            shard = _shard_of(p, shard_of, optimizer, model_name)
+            shard = _shard_holding(p, shard_of, optimizer)
             first = owner.setdefault(id(shard), index)
             if first == index and all(s is not shard for s in params):
                 params.append(shard)
@@ -68,14 +67,12 @@ def move_onto_shards(
         group["params"] = params
 
 
-def _shard_of(
-    p: torch.Tensor, shard_of: Dict[int, nn.Parameter], optimizer: torch.optim.Optimizer, model_name: str
-) -> nn.Parameter:
+def _shard_holding(p: torch.Tensor, shard_of: Dict[int, nn.Parameter], optimizer: torch.optim.Optimizer) -> nn.Parameter:
     shard = shard_of.get(id(p))
     if shard is None:
         raise ValueError(
             f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not in the "
-            f"{model_name} being prepared: build the optimizer from this model's parameters"
+            "model being prepared: build the optimizer from this model's parameters"
         )
     return shard
 
