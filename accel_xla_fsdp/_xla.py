@@ -17,6 +17,7 @@ no working all-reduce at all: we build it from an all-gather and a local reducti
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -416,28 +417,27 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def ordering_zero(deps: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """On the CPU, an exact zero computed from ``deps``, for ``order_after``; elsewhere None.
+    """On the CPU, a zero computed from ``deps`` for ``order_after``: a boolean that is always
+    False (no element is above +inf, and a NaN compares False); elsewhere None.
 
     Made once per unit and added to the operand of its first gather only, which the unit's other
     gathers follow (collectives are ordered among themselves). Every replica traces it, and
-    tracing is the host's share of a step, so it is built from as little as orders the gather:
-    of a forward's inputs, those that carry gradient when any do (the activations of the unit
-    before; position embeddings and masks are computed before the first unit, and a gather
-    ordered after the activations follows them too); of each, one element (``cat`` promotes
-    dtypes); then times zero and ``nan_to_num`` (an infinite or NaN element times zero is NaN),
-    which the compiler cannot fold away.
+    tracing is the host's share of a step, so it takes as few traced ops as orders the gather
+    (two per dependency: ``d > inf`` and ``any``, against five for "one element times zero, then
+    nan_to_num"), and as few dependencies: of a forward's inputs, those that carry gradient when
+    any do (the activations of the unit before; position embeddings and masks are computed before
+    the first unit, and a gather ordered after the activations follows them too); in backward,
+    where none does, the last one: the gradient reaching the unit, which the gradients collected
+    before it (those of the inputs of the units after it) went into. ``any`` reads the whole
+    dependency, so the gather waits for all of it (a compare the compiler cannot fold away).
     """
     if not on_cpu() or not deps:
         return None
-    deps = [d for d in deps if d.requires_grad] or deps
-    firsts = [_flat(d)[:1] for d in deps]
-    first = firsts[0] if len(firsts) == 1 else torch.cat(firsts)
-    return torch.nan_to_num(first.float() * 0).sum()
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    # Shards and their gradients are 1-D already: no reshape to trace.
-    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+    zero = None
+    for dep in [d for d in deps if d.requires_grad] or deps[-1:]:
+        above = (dep > math.inf).any()
+        zero = above if zero is None else zero | above
+    return zero
 
 
 def order_after(tensor: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
@@ -448,11 +448,12 @@ def order_after(tensor: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Ten
     (measured, torch_xla 2.9), and its collectives are ordered only among themselves (a token), so
     it issues a unit's all-gather blocks ahead of the computation that needs it, holding several
     units' full parameters at once. On the CPU we add a data dependency that the compiler cannot
-    drop: the exact zero. The value is unchanged. Elsewhere the barriers do it.
+    drop: the always-False boolean, which adds an exact zero (the sum keeps ``tensor``'s dtype).
+    The value is unchanged. Elsewhere the barriers do it.
     """
     if zero is None:
         return tensor
-    return tensor + zero.to(tensor.dtype)
+    return tensor + zero
 
 
 def rng_state(dev: torch.device) -> int:

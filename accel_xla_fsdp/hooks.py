@@ -8,11 +8,12 @@ methods of a ``transformers`` model that call the model directly).
   forward:   gather the unit's groups; run the module; free them unless the unit keeps them for
              backward; hook the outputs' gradients. A forward that raises frees them too.
   backward:  the hook on the outputs' gradients gathers the groups again; as each full
-             parameter's gradient is accumulated, a group whose gradients are all in is freed and
-             its gradients go into the unit's bucket, which reduce-scatters them into the shards'
-             ``.grad`` at once or, with ``reduce_scatter_bucket_size_mb``, together with other
-             groups' (collectives.py); a callback queued by the first hook finishes all units
-             after the backward (groups some parameter got no gradient in, buckets not yet full).
+             parameter's gradient is accumulated, a group whose gradients are all in has them put
+             in the unit's bucket, which reduce-scatters them into the shards' ``.grad`` at once
+             or, with ``reduce_scatter_bucket_size_mb``, together with other groups'
+             (collectives.py); once every trainable group of the unit is in, they are freed
+             together; a callback queued by the first hook finishes all units after the backward
+             (groups some parameter got no gradient in, buckets not yet full).
   no_sync:   the full gradients stay on the full parameters, accumulating, and are
              reduce-scattered by the first backward after it.
   graph cut: a unit still holding full parameters outside a forward or backward (a forward with
@@ -53,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _xla
 from .checkpointing import in_recompute
-from .param_group import ShardedParamGroup
+from .param_group import ShardedParamGroup, free_groups
 
 if TYPE_CHECKING:
     from .fsdp import XlaFullyShardedDataParallel as Unit
@@ -241,14 +242,20 @@ def _on_grad_accumulated(unit: Unit, group: ShardedParamGroup, param: torch.Tens
     unit.training_state = TrainingState.BACKWARD_POST
     if group.note_grad_ready() and unit.root_state.sync_gradients:
         _reduce_group(unit, group)
-        if unit.grad_bucket.groups_taken == sum(g.requires_grad for g in unit.param_groups):
-            _end_unit_backward(unit)  # every trainable group is in (else _finalize_backward ends it)
+        trainable = [g for g in unit.param_groups if g.requires_grad]
+        if unit.grad_bucket.groups_taken == len(trainable):
+            # Every trainable group is in (else _finalize_backward ends the unit). Their full
+            # parameters are read by nothing after their gradients, so they are freed here, in
+            # one replace_data, not one per group: the compiled program is the same, and every
+            # call costs each replica host time (a per-parameter unit has dozens of groups). The
+            # frozen ones may still be read by the rest of the unit's backward.
+            free_groups(trainable)
+            _end_unit_backward(unit)
 
 
 def _reduce_group(unit: Unit, group: ShardedParamGroup) -> None:
-    """Free the group's full parameters and put its gradients in the unit's bucket, which
-    reduce-scatters them at once or with the groups after them (collectives.GradBucket)."""
-    group.free()
+    """Put the group's gradients in the unit's bucket, which reduce-scatters them at once or
+    with the groups after them (collectives.GradBucket)."""
     _note_reduced(unit, unit.grad_bucket.add(group, unit.options.optimization_barrier_in_backward))
 
 
@@ -271,7 +278,7 @@ def _finalize_backward(state: RootState) -> None:
                 group.forget_grads_seen()
             elif group.has_pending_grads:
                 _reduce_group(unit, group)
-            group.free()
+        free_groups(unit.param_groups)
         _end_unit_backward(unit)
         unit.training_state = TrainingState.IDLE
     root = state.root

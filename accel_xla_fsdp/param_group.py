@@ -161,10 +161,6 @@ class ShardedParamGroup:
     def _tiled(self) -> bool:
         return not self.spec.dim0 and self.options.shard_size_multiple > 1
 
-    def free(self) -> None:
-        """Point every full parameter back at the 1-element placeholder."""
-        free_groups([self])
-
     @property
     def full_params(self) -> List[nn.Parameter]:
         return [slot.param for slot in self.slots]
