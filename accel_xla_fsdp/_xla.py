@@ -164,17 +164,17 @@ def set_sync_timeout(seconds: float) -> None:
 # worker thread for its device, not on the replica's own thread, and both parts of one program
 # must draw from one count. A device is driven by one thread at a time (the replica's waits while
 # autograd's runs), so the count needs no lock.
-_channel_ids: Dict[str, int] = {}
+_channel_ids: Dict[torch.device, int] = {}
 
 
 def _next_channel_id(tensor: torch.Tensor) -> int:
-    key = str(tensor.device)
+    key = tensor.device  # not its name: formatting one costs every collective host time
     _channel_ids[key] = _channel_ids.get(key, 0) + 1
     return _channel_ids[key]
 
 
 def _reset_channel_ids() -> None:
-    _channel_ids[str(device())] = 0
+    _channel_ids[device()] = 0
 
 
 class _Turns:
@@ -398,14 +398,12 @@ def replace_data(tensors: Sequence[torch.Tensor], new_data: Sequence[torch.Tenso
     swapped for a gathered one or a 1-element placeholder that the compiler can recycle.
     torch_xla's FSDP uses ``_XLAC._replace_xla_tensor`` here when functionalization is on; in
     torch_xla 2.9 that call leaves a parameter holding materialized device data unchanged for the
-    computations that read it (measured), while ``.data`` assignment works, so we use that.
-    The version counters are kept, in one call for all of a group's parameters: backward must
-    still accept the parameters that forward saved.
+    computations that read it (measured), while ``.data`` assignment works, so we use that. It
+    keeps the tensor's version counter (torch_xla 2.9, measured), so backward accepts the
+    parameters that forward saved.
     """
-    tensors = tuple(tensors)
-    with torch.autograd._unsafe_preserve_version_counter(tensors):
-        for tensor, data in zip(tensors, new_data):
-            tensor.data = data
+    for tensor, data in zip(tensors, new_data):
+        tensor.data = data
 
 
 def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
@@ -415,10 +413,10 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
         xm.optimization_barrier_(tensors)
 
 
-@torch.no_grad()
 def ordering_zero(deps: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """On the CPU, a zero computed from ``deps`` for ``order_after``: a boolean that is always
-    False (no element is above +inf, and a NaN compares False); elsewhere None.
+    False (no element is above +inf, and a NaN compares False); elsewhere None. Call under
+    ``torch.no_grad()``.
 
     Made once per unit and added to the operand of its first gather only, which the unit's other
     gathers follow (collectives are ordered among themselves). Every replica traces it, and
@@ -475,14 +473,11 @@ def _cpu_groups(groups: Groups) -> List[List[int]]:
 def all_gather(tensor: torch.Tensor, groups: Groups, pin_layout: bool) -> torch.Tensor:
     """Concatenate ``tensor`` from every member of this replica's group along dim 0."""
     if on_cpu():
-        return xm.all_gather(
-            tensor,
-            dim=0,
-            groups=_cpu_groups(groups),
-            pin_layout=False,
-            channel_id=_next_channel_id(tensor),
-            use_global_device_ids=True,
-        )
+        # What xm.all_gather calls for one tensor without pinning, with the same arguments. It
+        # first fetches the all-reduce token, which that path never uses: a traced device-data
+        # node per call, a third of the call's host time, paid twice per parameter and step.
+        groups = _cpu_groups(groups)
+        return torch_xla._XLAC._xla_all_gather(tensor, 0, len(groups[0]), groups, False, _next_channel_id(tensor), True)
     return xm.all_gather(tensor, dim=0, groups=groups, pin_layout=pin_layout)
 
 

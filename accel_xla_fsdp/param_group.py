@@ -148,7 +148,7 @@ class ShardedParamGroup:
         own), and on a TPU's flat layout in torch_xla's (-1, 128) tiles, which gather faster than
         a long vector.
         """
-        shard = self.shard.to(dtype or self.options.compute_dtype)
+        shard = _in_dtype(self.shard, dtype or self.options.compute_dtype)
         if self._tiled:
             return shard.view(-1, self.options.shard_size_multiple)
         return shard
@@ -253,7 +253,7 @@ class ShardedParamGroup:
             return None
         for slot in self.slots:
             slot.param.grad = None
-        return self._pad(self._join(self._fill_missing(grads))).to(self.options.reduce_dtype)
+        return _in_dtype(self._pad(self._join(self._fill_missing(grads))), self.options.reduce_dtype)
 
     def _fill_missing(self, grads: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         ref = next(g for g in grads if g is not None)
@@ -262,7 +262,7 @@ class ShardedParamGroup:
     def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
         """Accumulate this replica's reduced shard of the gradient into ``shard.grad``; returns
         it in the shard's dtype (for barriers). Call under ``torch.no_grad()``."""
-        reduced = reduced.to(self.shard.dtype)
+        reduced = _in_dtype(reduced, self.shard.dtype)
         if barrier:
             _xla.optimization_barrier_([reduced])
         if self.shard.grad is None:
@@ -272,9 +272,14 @@ class ShardedParamGroup:
         return reduced
 
 
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without the call when it is in ``dtype`` already (the usual case):
+    the call is a dispatch every replica pays for in host time, several times per parameter."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def adopt_gathered(groups: Sequence[ShardedParamGroup], gathered: Sequence[torch.Tensor]) -> None:
-    """Point every full parameter of ``groups`` at its slice of its group's ``gathered`` tensor,
-    in one ``replace_data`` for all of them (each call is a context manager traced per replica)."""
+    """Point every full parameter of ``groups`` at its slice of its group's ``gathered`` tensor."""
     params: List[nn.Parameter] = []
     views: List[torch.Tensor] = []
     for group, full in zip(groups, gathered):
@@ -285,7 +290,7 @@ def adopt_gathered(groups: Sequence[ShardedParamGroup], gathered: Sequence[torch
 
 
 def free_groups(groups: Sequence[ShardedParamGroup]) -> None:
-    """Point the full parameters of ``groups`` back at their placeholder, in one ``replace_data``."""
+    """Point the full parameters of ``groups`` back at their placeholder."""
     gathered = [g for g in groups if g.gathered]
     if not gathered:
         return
