@@ -173,7 +173,7 @@ def _frees_after_forward(unit: Unit) -> bool:
 def _tensors_in(tree: Any, found: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
     """The tensors in nested tuples, lists and dicts (``ModelOutput`` is a dict), in
     ``tree_flatten``'s order. Every unit's forward asks twice, and pytree's generic walk costs a
-    replica about 25 us of host time for a decoder layer's arguments: this one a tenth of that."""
+    replica about 25 us of host time for a decoder layer's arguments, this one about 4."""
     found = [] if found is None else found
     if isinstance(tree, torch.Tensor):
         found.append(tree)
