@@ -305,12 +305,16 @@ class _Exchange:
     def __init__(self, num_replicas: int) -> None:
         self.barrier = threading.Barrier(num_replicas)
         self.values: List[Any] = [None] * num_replicas
+        self.tags: List[str] = [""] * num_replicas
 
     def all_gather(self, rank: int, value: Any, tag: str) -> List[Any]:
         self.values[rank] = value
+        self.tags[rank] = tag
         self._wait(rank, tag)
-        values = list(self.values)
+        values, tags = list(self.values), list(self.tags)
         self._wait(rank, tag)  # nobody writes the next exchange's value before all have read this one
+        if len(set(tags)) > 1:
+            raise RuntimeError(_mismatch_message(rank, tags))
         return values
 
     def _wait(self, rank: int, tag: str) -> None:
@@ -322,6 +326,21 @@ class _Exchange:
                 "replicas. Every replica must reach the same rendezvous (wait_for_everyone, gather, "
                 "reduce, broadcast, saving a checkpoint) in the same order."
             ) from None
+
+
+def _mismatch_message(rank: int, tags: List[str]) -> str:
+    """Replicas met at different rendezvous: typically one called a collective under
+    ``if accelerator.is_main_process:`` while the others went on to the next one."""
+    mine = tags[rank]
+    others = sorted({t for t in tags if t != mine})
+    return (
+        f"replica {rank} reached '{mine}' while replica(s) "
+        f"{[r for r, t in enumerate(tags) if t != mine]} reached {' / '.join(map(repr, others))}: "
+        "every replica must call the same collectives in the same order. A whole model's state dict is "
+        "gathered from every replica: call state_dict(), save_pretrained, get_state_dict and save_model on "
+        "every process (save_pretrained(dir, is_main_process=accelerator.is_main_process) writes on the main "
+        "one only), not under `if accelerator.is_main_process:`."
+    )
 
 
 _exchange: Optional[_Exchange] = None
@@ -342,6 +361,14 @@ def exchange(value: Any, tag: str = "exchange") -> List[Any]:
         if _exchange is None:
             _exchange = _Exchange(_replica_threads())
     return _exchange.all_gather(global_rank(), value, tag)
+
+
+def agree(tag: str) -> None:
+    """Replica threads check that all of them are entering the collective ``tag`` (an error in
+    every replica if some are at another rendezvous) before its device collectives, which would
+    otherwise wait for ever. Nothing to check elsewhere: processes have no shared view."""
+    if replicas_are_threads():
+        exchange(None, tag)
 
 
 def broadcast_from_rank0_(tensors: Sequence[torch.Tensor]) -> None:

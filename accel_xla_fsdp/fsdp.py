@@ -33,7 +33,7 @@ from .options import (
     wrapper_signature,
 )
 from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, free_groups, shard_param_name
-from .state_dict import WRAPPED_MODULE, full_state_dict, named_units, shard_metadata
+from .state_dict import WRAPPED_MODULE, full_state_dict, model_state_dict, named_units, shard_metadata
 from .wrap import recursive_wrap, resolve_policy
 
 
@@ -126,6 +126,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             hooks.ensure_grad_hooks(self, group)
         self.buffer_orig_dtypes = _move_buffers(module, device, options.buffer_dtype)
         hooks.install_forward_hooks(self)
+        module._register_state_dict_hook(functools.partial(_whole_model_state_dict, weakref.ref(self)))
         self._become_root()
         if options.execute_sharding_on_init:
             _xla.sync()
@@ -136,6 +137,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         state = hooks.RootState([u for _, u in named_units(self)])
         for unit in state.units:
             unit.root_state = state
+        for name, module in self.named_modules():
+            if not isinstance(module, XlaFullyShardedDataParallel) and _holds_units(module):
+                module.named_modules = functools.partial(_named_modules_as_unwrapped, module)
 
     @property
     def is_root(self) -> bool:
@@ -328,11 +332,17 @@ class XlaFullyShardedDataParallel(nn.Module):
             return self.module.generate(*args, **kwargs)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The unsharded state dict of the original module, on the CPU, under its own names.
+        """The unsharded state dict of the original module, on the CPU, under its own names:
+        each parameter once (a tied one under its first name), every buffer.
 
         Every replica must call it (it gathers); each gets the same dict.
         """
         return full_state_dict(self)
+
+    def model_state_dict(self) -> Dict[str, torch.Tensor]:
+        """What the unwrapped module's ``state_dict()`` would hold, with full tensors on the CPU:
+        tied weights under each name, persistent buffers only. Every replica must call it."""
+        return model_state_dict(self)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What it takes to reassemble (or reshard) this replica's ``state_dict()`` (torch_xla's form)."""
@@ -379,6 +389,40 @@ def _holding_full_params(units: List[XlaFullyShardedDataParallel], in_shard_dtyp
                     for group in unit.param_groups:
                         group.write_back()
                 unit.free_params(None)
+
+
+def _holds_units(module: nn.Module) -> bool:
+    return any(isinstance(m, XlaFullyShardedDataParallel) for m in module.modules())
+
+
+def _named_modules_as_unwrapped(
+    module: nn.Module, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True
+) -> Iterator[Tuple[str, nn.Module]]:
+    """``named_modules()`` of a module with units inside, asked of it directly: the names the
+    model had before wrapping (a unit and the module it wraps share one). peft matches the
+    names of the unwrapped model's modules against its ``state_dict()`` keys (to pick an
+    adapter's weights when saving), which have no ``_fsdp_wrapped_module`` either; a path with
+    those names still resolves, as a unit passes attributes on to its module. Within an outer
+    module's walk (``memo`` given) the names stay the walk's own."""
+    named = nn.Module.named_modules(module, memo, prefix, remove_duplicate)
+    if memo is not None:
+        return named
+    return ((".".join(part for part in name.split(".") if part != WRAPPED_MODULE), m) for name, m in named)
+
+
+def _whole_model_state_dict(
+    unit_ref: "weakref.ref[XlaFullyShardedDataParallel]", module: nn.Module, state: Dict[str, Any], prefix: str, _: Any
+) -> Optional[Dict[str, torch.Tensor]]:
+    """``state_dict()`` of the module a root unit wraps, asked of that module itself (as
+    ``unwrap_model(model).save_pretrained(dir)`` does): the whole model, gathered, instead of
+    freed full parameters (outside forward they hold no data) and the inner units' shards.
+    The wrapper's own ``state_dict()`` (this replica's shards, for checkpoints) reaches the module
+    under a prefix and is left alone."""
+    unit = unit_ref()
+    if prefix or unit is None or not unit.is_root:
+        return None
+    _xla.agree("state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)")
+    return model_state_dict(unit)
 
 
 def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:

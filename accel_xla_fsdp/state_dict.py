@@ -70,6 +70,32 @@ def full_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
     return state
 
 
+def model_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
+    """What ``state_dict()`` of the unwrapped model gives, with full tensors on the CPU.
+
+    Its keys: every name of every parameter (a tied weight under each of its names, one tensor)
+    and the persistent buffers only (not, say, Llama's computed ``rotary_emb.inv_freq``); its
+    dtypes: the parameters' (their shards') and the buffers' own. Accelerate's ``get_state_dict``
+    and a stock ``save_pretrained`` read this. Every replica must call it (it gathers).
+    """
+    with root.summon_full_params(writeback=False):
+        _xla.sync()  # one program gathers every unit; the copies below only transfer
+        state: Dict[str, torch.Tensor] = {}
+        for prefix, unit in named_units(root):
+            for group in unit.param_groups:
+                for slot in group.slots:
+                    value = slot.param.detach().cpu()
+                    for name in (slot.name, *slot.aliases):
+                        state[full_name(prefix, name)] = value
+    for name, module in root.named_modules():
+        for local, buf in module._buffers.items():
+            if buf is not None and local not in module._non_persistent_buffers_set:
+                wrapped = join(name, local)
+                orig = buffer_original_dtype(root, wrapped)
+                state[original_name(wrapped)] = buf.detach().cpu().to(orig or buf.dtype)
+    return state
+
+
 def buffer_original_dtype(root: Unit, name: str) -> Optional[torch.dtype]:
     """The dtype a buffer had before wrapping cast it to ``buffer_dtype`` (None if not cast)."""
     for prefix, unit in named_units(root):

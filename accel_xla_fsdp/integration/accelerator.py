@@ -191,16 +191,20 @@ class Accelerator(accelerate.Accelerator):
     # -- whole model -----------------------------------------------------------------------------
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
-        """The model inside the FSDP wrapper. Its parameters are not filled between forwards: take
-        its weights from ``get_state_dict(model)``."""
+        """The model inside the FSDP wrapper. Its parameters hold no data between forwards, but its
+        ``state_dict()`` (so its ``save_pretrained``) gives the whole model, gathered: call it on
+        every replica."""
         if isinstance(model, XlaFullyShardedDataParallel):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
-        """The whole model's state dict on the CPU, on every replica (call it on every replica)."""
+        """The unwrapped model's ``state_dict()`` (its keys and dtypes), full tensors on the CPU, on
+        every replica (Accelerate's GPU FSDP gives it on the main process only): call it on every
+        replica."""
         if isinstance(model, XlaFullyShardedDataParallel):
-            return model.full_state_dict()
+            _xla.agree("get_state_dict")
+            return model.model_state_dict()
         return super().get_state_dict(model, unwrap)
 
     def save_model(self, model: nn.Module, save_directory: Any, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
@@ -208,7 +212,8 @@ class Accelerator(accelerate.Accelerator):
         model, which ``from_pretrained`` then loads). Call on every replica; the main one writes."""
         if not isinstance(model, XlaFullyShardedDataParallel):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        state = model.full_state_dict()
+        _xla.agree("save_model")
+        state = model.model_state_dict()
         if self.is_main_process:
             inner = model.module
             if hasattr(inner, "save_pretrained"):
