@@ -132,7 +132,8 @@ class TorchXlaCheckpoint:
             check_name(key, f"{path}: a state dict key")
             if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"{path}: model[{key!r}] is not a dense tensor of a dtype safetensors holds ({type(value).__name__})")
-        if (meta.get("rank"), meta.get("world_size")) != (rank, self.world_size):
+        said = (meta.get("rank"), meta.get("world_size"))
+        if not all(type(v) is int for v in said) or said != (rank, self.world_size):
             raise CheckpointError(
                 f"{path}: its metadata says rank {str(meta.get('rank'))[:20]} of {str(meta.get('world_size'))[:20]}, its name "
                 f"rank {rank} of {self.world_size}: files of different checkpoints are mixed"
