@@ -17,10 +17,12 @@ after every ``CHUNK_BYTES`` read. Peak memory is a few pieces, whatever the size
 of an output file.
 
 Everything is checked before anything is written: the rank files against their record and each
-other, their metadata against their tensors, the checkpoint against the config's model. The files
-are written into a temporary directory beside the output directory and moved there only once all
-are complete; on any error the temporary directory is removed, so no partial output is left (a
-process killed midway leaves that hidden directory, ``.<name>.consolidating-*``, and nothing else).
+other, their metadata against their tensors, the checkpoint against the config's model, the
+output directory (writable, room for the files). The tensor bytes are checked against their
+checksums in a thread beside the writing. The files are written into a staging folder inside
+the output directory and moved into place only once all are complete and checked ([Note:
+committing a consolidation]); on any error the staging folder is removed, so the output
+directory is left as it was.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ the slices its own shards need.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass, replace
@@ -83,7 +82,7 @@ def save_sharded(model: XlaFullyShardedDataParallel, optimizer: Optional[torch.o
         write_atomically(target, lambda tmp: save_file(tensors, str(tmp), metadata={META_KEY: meta.to_json()}))
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
         error = e
-    del tensors
+    tensors.clear()  # this rank's copies: not needed past the write
     failed = _agree(_flags(world, rank, error))  # every rank's file is on disk, or some failed
     if any(failed) and rank == 0 and plan is not None:
         remove_tree(root / save_id)  # listed in the record: the next save removes it if this cannot
