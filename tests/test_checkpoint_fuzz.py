@@ -37,7 +37,7 @@ from test_checkpoint_safety import torch_xla_files, two_runs
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 18
-OURS, THEIRS = 600, 200  # cases: our format, torch_xla's
+OURS, THEIRS = 2000, 400  # cases: our format, torch_xla's
 CASE_SECONDS = 20
 ADDRESS_SPACE_HEADROOM = 2 * 2**30  # the child may map at most this much more than at its start
 PEAK_ABOVE_START = 400 * 2**20
@@ -183,11 +183,13 @@ def mutate_torch_xla(rng: random.Random) -> Callable[[int, Dict[str, Any]], None
     def edit(rank: int, ckpt: Dict[str, Any]) -> None:
         if rank != target:
             return
+        edit.what = f"{kind} of rank {target}"
         if kind == "metadata":
             meta = ckpt["shard_metadata"]
             plain = json.loads(json.dumps(meta, default=lambda v: list(v)))
             mutated = mutate_tree(rng, plain)
             ckpt["shard_metadata"] = mutated
+            edit.what += f": {str(mutated)[:300]}"
         elif kind == "top":
             ckpt.pop(rng.choice(["model", "shard_metadata"])) if rng.random() < 0.5 else ckpt.update(model=rng.choice(WEIRD))
         else:
@@ -271,7 +273,7 @@ def fuzz(pristine: Path, scratch: Path) -> Dict[str, Any]:
         result, detail = outcome(lambda out: convert_torch_xla(theirs / "in", out, progress=False), same_model({"weight": weight}), scratch / "out")
         results[f"torch_xla {result}"] += 1
         if result not in ("refused", "correct"):
-            failures.append(f"torch_xla case {case}: {result} {detail}")
+            failures.append(f"torch_xla case {case} ({getattr(edit, 'what', '')}): {result} {detail}")
     return {"results": dict(results), "kinds": dict(kinds), "failures": failures[:10], "seconds": time.perf_counter() - start}
 
 

@@ -111,6 +111,7 @@ class TorchXlaCheckpoint:
         ckpts = [self._checked(rank, p) for rank, p in enumerate(self.files)]
         self._states = [c["model"] for c in ckpts]
         meta = ckpts[0]["shard_metadata"]
+        self._check_same_metadata([c["shard_metadata"] for c in ckpts])
         self._check_same_tensors()
         self.groups: Dict[str, GroupEntry] = {}
         self.params: Dict[str, Tuple[GroupEntry, ParamEntry]] = {}
@@ -139,6 +140,17 @@ class TorchXlaCheckpoint:
                 f"rank {rank} of {self.world_size}: files of different checkpoints are mixed"
             )
         return ckpt
+
+    def _check_same_metadata(self, metas: List[Dict[str, Any]]) -> None:
+        """Every rank's shard_metadata is rank 0's but for its rank (torch_xla writes the same)."""
+        first = {k: v for k, v in metas[0].items() if k != "rank"}
+        for path, meta in zip(self.files[1:], metas[1:]):
+            try:
+                same = {k: v for k, v in meta.items() if k != "rank"} == first
+            except Exception:  # noqa: BLE001 - values that do not compare (tensors)
+                same = False
+            if not same:
+                raise CheckpointError(f"{path}: its shard_metadata differs from rank 0's ({self.files[0].name}): files of different checkpoints are mixed")
 
     def _check_same_tensors(self) -> None:
         """Every rank holds the tensors rank 0 does, of its dtype and shape ("shards of one dtype")."""
