@@ -458,6 +458,23 @@ def test_a_disk_without_room_is_refused_before_writing(runs, small_tmpfs, capsys
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
 
 
+def save_refused(rank: int, world: int, directory: str) -> str:
+    model = wrap(MODEL, build(MODEL), rank, world, LAYOUT)
+    try:
+        save_sharded(model, None, directory)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_without_room_is_refused_on_every_rank_before_writing(pools, small_tmpfs) -> None:
+    (small_tmpfs / "filler").write_bytes(b"\0" * 200 * 1024)
+    ckpt = small_tmpfs / "ckpt"
+    for rank, message in enumerate(pools[2].run(save_refused, 2, str(ckpt))):
+        assert f"{small_tmpfs}: 0.00 GB free, rank {rank}'s file takes" in message
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
+
+
 # ---------------------------------------------------------------------------------------------
 # save_sharded: only our own folders, leftovers of killed saves cleaned up
 

@@ -160,7 +160,10 @@ def _commit(root: Path, plan: Optional[_Plan], save_id: str, token: str, world: 
             remove_tree(root / name)
     remaining = tuple(n for n in plan.saves if n != save_id and (root / n).exists())
     if remaining + (save_id,) != plan.saves:
-        _write_record(root, replace(record, saves=remaining + (save_id,)))
+        try:
+            _write_record(root, replace(record, saves=remaining + (save_id,)))
+        except OSError:
+            pass  # committed all the same; the next save drops the names of what is gone
 
 
 def _write_record(root: Path, record: Record) -> None:
