@@ -570,7 +570,6 @@ class ShardedCheckpoint:
         self.directory = Path(directory)
         record = read_record(self.directory)
         assert record is not None and record.save_id is not None
-        self.record = record
         self.format = record.format
         self.save_id: str = record.save_id
         self.token: Optional[str] = record.token

@@ -106,10 +106,9 @@ def _check_root(model: nn.Module) -> None:
 
 @dataclass
 class _Plan:
-    """Rank 0's view of a save: its number, the committed record, and every folder of ours."""
+    """Rank 0's view of a save: its number, and every folder of ours (the new one last)."""
 
     number: int
-    record: Optional[Record]
     saves: Tuple[str, ...]
 
 
@@ -145,7 +144,7 @@ def _prepare(root: Path) -> _Plan:
         pending = replace(record, saves=saves) if record else Record(FORMAT, None, None, 0, (), saves)
         _write_record(root, pending)
     (root / new).mkdir()
-    return _Plan(number, record, saves)
+    return _Plan(number, saves)
 
 
 def _commit(root: Path, plan: Optional[_Plan], save_id: str, token: str, world: int) -> None:
