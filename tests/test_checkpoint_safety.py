@@ -596,3 +596,33 @@ def test_a_killed_consolidation_leaves_the_old_model_and_the_next_one_no_stray_f
     assert no_staging_left(out, tmp_path)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert sorted(f.keys()) == sorted(runs["state"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints of format 1 (before run tokens and checksums)
+
+
+def as_format_1(ckpt: Path) -> None:
+    """``ckpt`` rewritten as the previous version wrote it: no token, no checksums, no saves list."""
+    record = json.loads((ckpt / "checkpoint.json").read_text())
+    for name in record["files"]:
+        def old(raw: Dict[str, Any]) -> None:
+            raw["format"] = "accel-xla-fsdp/1"
+            del raw["token"], raw["checksums"]
+        edit_meta(ckpt / name, old)
+    record = {"format": "accel-xla-fsdp/1", **{k: record[k] for k in ("save_id", "world_size", "files")}}
+    (ckpt / "checkpoint.json").write_text(json.dumps(record))
+
+
+def test_format_1_checkpoints_are_read_and_saved_over(pools, runs, tmp_path) -> None:
+    ckpt = copy_of(runs["one"], tmp_path)
+    as_format_1(ckpt)
+    assert ShardedCheckpoint(ckpt).format == "accel-xla-fsdp/1"
+    assert cli.main(["consolidate", str(ckpt), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert_is_state(consolidated(tmp_path / "out"), runs["state"])
+    (ckpt / "save-best").mkdir()
+    loaded = pools[2].run(load_then_save, 2, str(ckpt))[0]  # a format-2 save over it
+    assert_is_state(loaded, runs["state"])
+    record = json.loads((ckpt / "checkpoint.json").read_text())
+    assert record["format"] == "accel-xla-fsdp/2" and record["save_id"] == "save-000001"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint.json", "save-000001", "save-best"]
