@@ -155,6 +155,21 @@ def test_overwrite_into_an_out_dir_on_another_filesystem(runs, tmp_path, shm_dir
         assert sorted(f.keys()) == sorted(runs["state"])
 
 
+def test_overwrite_into_an_out_dir_that_is_a_mount_point(runs, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(out)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        assert os.stat(out).st_dev != os.stat(tmp_path).st_dev
+        assert cli.main(["consolidate", str(runs["two"]), str(out), "--no-progress", "--max-shard-size", "1KB"]) == 0
+        assert cli.main(["consolidate", str(runs["one"]), str(out), "--no-progress", "--overwrite"]) == 0
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and no_staging_left(out, tmp_path)
+        assert_is_state(consolidated(out), runs["state"])
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+
+
 def test_a_new_out_dir_on_another_filesystem(runs, tmp_path, shm_dir) -> None:
     out = shm_dir / "new" / "out"  # parents created too
     assert cli.main(["consolidate", str(runs["one"]), str(out), "--no-progress"]) == 0
