@@ -664,7 +664,11 @@ def clean_leftovers(out: Path) -> None:
         if STAGING.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
             _finish_or_remove(path, out)
     legacy = re.compile(rf"\.{re.escape(out.name)}\.consolidating-\d+-[0-9a-f]{{8}}")
-    for path in sorted(out.parent.iterdir()):
+    try:
+        beside = sorted(out.parent.iterdir())
+    except OSError:
+        beside = []  # a parent we may not list: nothing of ours to find there
+    for path in beside:
         if legacy.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
             _finish_or_remove(path, None)
 
