@@ -28,8 +28,12 @@ must fit that model. Without --config every parameter is written under its first
 buffer is written (which buffers are persistent cannot be known): put the model's config.json
 in OUT_DIR before from_pretrained(OUT_DIR), or pass --config.
 
-Nothing is left in OUT_DIR on error: the files are written beside it (.OUT_DIR.consolidating-*)
-and moved in once complete. Bad input ends with a message naming the file or key and exit status 1.
+OUT_DIR is left as it was on error: the files are written into OUT_DIR/.consolidating-* and
+moved in (renamed) once complete and checked against the rank files' checksums; only then are
+the files of a model it held removed. A consolidation killed midway leaves that folder, which the
+next one into OUT_DIR removes or finishes. Everything else (the files belong together and to one
+run, every metadata field, OUT_DIR writable with room) is checked before anything is written.
+Bad input ends with a message naming the file and the field, and exit status 1.
 """
 
 

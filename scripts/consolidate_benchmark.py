@@ -8,9 +8,10 @@
    numbers on the CPU and cut into 4 per-parameter shards (flattened, padded to a multiple of 4,
    as both FSDPs shard without flattening), written twice:
    - our format: 4 safetensors rank files with their layout metadata and ``checkpoint.json``,
-     in the form ``save_sharded`` writes (``format.RankMeta``; one root unit, per-parameter
-     shards), with the non-persistent rotary buffers ``save_sharded`` also stores (zeros here:
-     they are not written out);
+     in the form ``save_sharded`` writes (``format.RankMeta`` with a run token and a CRC-32 per
+     tensor, which the consolidation checks; one root unit, per-parameter shards), with the
+     non-persistent rotary buffers ``save_sharded`` also stores (zeros here: they are not written
+     out);
    - torch_xla's: 4 ``torch.save`` files ``{"model": state_dict, "shard_metadata": ...}`` with
      the keys and metadata torch_xla's FSDP gives a root unit (``_fsdp_shard...`` names,
      ``shard_info`` with ``_orig_name``/``_orig_size``).
@@ -59,7 +60,10 @@ def make_inputs(root: Path, layers: int) -> None:
     from transformers import LlamaForCausalLM
     from safetensors.torch import save_file
 
-    from accel_xla_fsdp.checkpoint.format import FORMAT, META_KEY, MODEL as MODEL_PREFIX, BUFFER, RECORD, GroupEntry, ParamEntry, RankMeta, rank_file_name
+    from accel_xla_fsdp.checkpoint.format import (
+        FORMAT, META_KEY, MODEL as MODEL_PREFIX, BUFFER, RECORD, GroupEntry, ParamEntry, RankMeta, Record, rank_file_name,
+        tensor_checksum,
+    )
     from accel_xla_fsdp.param_group import shard_param_name
 
     config = llama_config(layers)
@@ -87,18 +91,19 @@ def make_inputs(root: Path, layers: int) -> None:
         for r in range(WORLD):
             ours[r][f"{BUFFER}/{name}"] = torch.zeros(buf.shape, dtype=buf.dtype)
         buffers[name] = str(buf.dtype).removeprefix("torch.")
-    save_id = "save-000000"
+    save_id, token = "save-000000", "0123456789abcdef0123456789abcdef"
     (root / "ours" / save_id).mkdir(parents=True)
     (root / "xla").mkdir()
     for r in range(WORLD):
-        meta = RankMeta(FORMAT, save_id, r, WORLD, tuple(groups), buffers, None)
+        checksums = {name: tensor_checksum(t) for name, t in ours[r].items()}
+        meta = RankMeta(FORMAT, save_id, r, WORLD, tuple(groups), buffers, None, token=token, checksums=checksums)
         save_file(ours[r], str(root / "ours" / save_id / rank_file_name(r, WORLD)), metadata={META_KEY: meta.to_json()})
         ours[r] = None
         metadata = {"shard_info": {"": shard_info}, "flatten_info": {}, "buffer_info": {}, "world_size": WORLD, "rank": r}
         torch.save({"model": xla[r], "shard_metadata": metadata}, root / "xla" / f"rank-{r:05d}-of-{WORLD:05d}.pth")
         xla[r] = None
     files = [f"{save_id}/{rank_file_name(r, WORLD)}" for r in range(WORLD)]
-    (root / "ours" / RECORD).write_text(json.dumps({"format": FORMAT, "save_id": save_id, "world_size": WORLD, "files": files}))
+    (root / "ours" / RECORD).write_text(Record(FORMAT, save_id, token, WORLD, tuple(files), (save_id,)).to_json())
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     (root / "model.json").write_text(json.dumps({"parameters": sum(p.numel() for p in model.parameters()), "bytes": nbytes}))
 

@@ -143,7 +143,7 @@ def save_twice_dying(rank: int, world: int, directory: str, where: str) -> None:
         real = sharded.save_file
         sharded.save_file = lambda t, path, metadata: (real(t, path, metadata=metadata), Path(path).write_bytes(Path(path).read_bytes()[:100]), die())
     else:  # every rank file of the new save written, the record not yet replaced
-        sharded._barrier = die
+        sharded._commit = die
     save_sharded(model, optimizer, directory)
 
 

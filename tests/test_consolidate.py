@@ -355,7 +355,7 @@ def test_unreadable_layout_metadata(runs, tmp_path, capsys) -> None:
     ckpt = copy_of(runs["untied"], tmp_path)
     path = rank_file(ckpt, 1)
     rewrite(path, edit_meta=lambda text: text[: len(text) // 2])
-    assert_refused(capsys, tmp_path, ckpt, says=[str(path), "metadata is not a valid accel-xla-fsdp/1 record"])
+    assert_refused(capsys, tmp_path, ckpt, says=[str(path), "metadata is not a valid accel-xla-fsdp/2 record"])
     assert nothing_left(tmp_path)
 
 

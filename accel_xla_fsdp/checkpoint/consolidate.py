@@ -17,20 +17,24 @@ after every ``CHUNK_BYTES`` read. Peak memory is a few pieces, whatever the size
 of an output file.
 
 Everything is checked before anything is written: the rank files against their record and each
-other, their metadata against their tensors, the checkpoint against the config's model. The files
-are written into a temporary directory beside the output directory and moved there only once all
-are complete; on any error the temporary directory is removed, so no partial output is left (a
-process killed midway leaves that hidden directory, ``.<name>.consolidating-*``, and nothing else).
+other, their metadata against their tensors, the checkpoint against the config's model, the
+output directory (writable, room for the files). The tensor bytes are checked against their
+checksums in a thread beside the writing. The files are written into a staging folder inside
+the output directory and moved into place only once all are complete and checked ([Note:
+committing a consolidation]); on any error the staging folder is removed, so the output
+directory is left as it was.
 """
 
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
 import re
 import shutil
 import struct
+import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,10 +46,12 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.serialization._base import MAX_SHARD_SIZE, parse_size_to_int
 from tqdm.auto import tqdm
 
-from .torch_xla_files import TorchXlaCheckpoint
+from .files import check_free_space as _check_free_space
+from .files import check_writable
 from .format import (
-    BUFFER, MODEL, OPTIM, RECORD, CheckpointError, GroupEntry, ParamEntry, ShardedCheckpoint, torch_dtype,
+    BUFFER, MODEL, OPTIM, SAFETENSORS_DTYPES, CheckpointError, GroupEntry, ParamEntry, ShardedCheckpoint, torch_dtype,
 )
+from .torch_xla_files import TorchXlaCheckpoint
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
@@ -60,13 +66,7 @@ CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 # Files that make a folder hold a model (transformers' weight names, any shard, any index).
 _MODEL_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+_SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
 
 
 def consolidate(
@@ -170,19 +170,26 @@ def write_hf_layout(
         written |= {CONFIG_NAME} | ({GENERATION_CONFIG_NAME} if model.generation_config else set())
     check_output_dir(out, written, overwrite)
     total = sum(t.nbytes for ts in files.values() for t in ts)
-    check_free_space(out, total)
+    check_writable(out, "the model")
+    check_free_space(out, total, "the model")
 
+    verifier = Verifier(ckpt, _to_verify(ckpt, model is not None, optimizer))
     budget = ReadBudget(ckpt)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", disable=not progress)
-    with bar, staging_dir(out) as tmp:
-        for name, tensors in files.items():
-            write_safetensors(tmp / name, tensors, budget, bar)
-        for name, text in extra.items():
-            (tmp / name).write_text(text)
-        if model is not None:
-            floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
-            model.write_config(tmp, floats[0] if floats else None)
-        commit(tmp, out, overwrite)
+    with bar, staging_dir(out, written, overwrite) as stage:
+        verifier.start()
+        try:
+            for name, tensors in files.items():
+                write_safetensors(stage / name, tensors, budget, bar, check=verifier.check)
+            for name, text in extra.items():
+                (stage / name).write_text(text)
+            if model is not None:
+                floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
+                model.write_config(stage, floats[0] if floats else None)
+            verifier.finish()
+        finally:
+            verifier.cancel()
+        commit(stage, out)
     return out
 
 
@@ -214,106 +221,10 @@ def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
 
 
 def check_checkpoint(ckpt: ShardedCheckpoint, optimizer: bool) -> None:
-    """Every rank file agrees with rank 0's layout and holds the tensors its metadata lists, with
-    the element counts and dtypes it says; every parameter lies within its group. Reads headers
-    only. (``ShardedCheckpoint`` has already matched every file to the record's save and ranks.)"""
-    first, first_path = ckpt.metas[0], ckpt.files[0]
-    if len(ckpt.files) != ckpt.world_size:
-        raise CheckpointError(f"{ckpt.directory / RECORD}: lists {len(ckpt.files)} rank files for a world of {ckpt.world_size}")
-    names: Dict[str, str] = {}
-    for g in first.groups:
-        _dtype_of(first_path, g.dtype)
-        if not 1 <= g.world_size <= ckpt.world_size or g.shard_numel < 0:
-            raise CheckpointError(
-                f"{first_path}: group {g.key!r} is sharded over {g.world_size} ranks in {g.shard_numel}-element "
-                f"shards, which {ckpt.world_size} rank files cannot hold"
-            )
-        size = g.world_size * g.shard_numel
-        end = 0
-        for p in sorted(g.params, key=lambda p: p.offset):
-            if p.offset < end or p.offset + p.numel > size:
-                raise CheckpointError(
-                    f"{first_path}: parameter {p.name!r} of group {g.key!r} takes elements [{p.offset}, "
-                    f"{p.offset + p.numel}), outside the group's {size} ({g.world_size} x {g.shard_numel}) or "
-                    "overlapping another parameter"
-                )
-            end = p.offset + p.numel
-            for name in (p.name, *p.aliases):
-                if name in names:
-                    raise CheckpointError(f"{first_path}: parameter {name!r} is listed twice (groups {names[name]!r} and {g.key!r})")
-                names[name] = g.key
-    optim = first.optimizer
-    if optimizer and optim is None:
+    """What ``ShardedCheckpoint`` does not check on opening: optimizer state, when asked for.
+    (Opening checked the record, every file's header and metadata, and that they agree.)"""
+    if optimizer and ckpt.metas[0].optimizer is None:
         raise CheckpointError(f"{ckpt.directory}: saved without optimizer state (save_sharded(model, None, ...)); leave out --optimizer")
-    if optimizer:
-        for pg in optim.get("param_groups", []):
-            for key in pg.get("groups", []):
-                if key not in ckpt.groups:
-                    raise CheckpointError(f"{first_path}: the optimizer state names group {key!r}, which the model metadata does not list")
-    first_optim = None
-    for rank, (path, meta) in enumerate(zip(ckpt.files, ckpt.metas)):
-        if meta.groups != first.groups or meta.buffers != first.buffers or _optim_layout(meta.optimizer) != _optim_layout(optim):
-            raise CheckpointError(f"{path}: its layout metadata differs from rank 0's ({first_path.name}): {_first_difference(meta, first)}")
-        headers = {name: ckpt.file(rank).get_slice(name) for name in ckpt.tensor_names(rank)}
-        for g in meta.groups:
-            key = f"{MODEL}/{g.key}"
-            _check_tensor(path, headers, key, g.shard_numel, _dtype_of(path, g.dtype), "its metadata says")
-        if rank == 0:
-            for name, dtype in meta.buffers.items():
-                key = f"{BUFFER}/{name}"
-                _check_tensor(path, headers, key, None, _dtype_of(path, dtype), "its metadata says")
-        if optimizer:
-            mine = {n: (list(h.get_shape()), h.get_dtype()) for n, h in headers.items() if n.startswith(f"{OPTIM}/")}
-            if first_optim is None:
-                first_optim = mine
-            for name in sorted(set(mine) ^ set(first_optim)):
-                where = "has" if name in mine else "lacks"
-                raise CheckpointError(f"{path}: {where} optimizer tensor {name!r}, unlike rank 0's file {first_path.name}")
-            for name, (shape, dt) in mine.items():
-                group = ckpt.groups.get(name[len(OPTIM) + 1 :].rsplit("/", 1)[0])
-                if group is None:
-                    raise CheckpointError(f"{path}: optimizer tensor {name!r} belongs to no group of the model metadata")
-                if shape != first_optim[name][0] or dt != first_optim[name][1]:
-                    raise CheckpointError(
-                        f"{path}: optimizer tensor {name!r} is {dt} {shape}, rank 0's is {first_optim[name][1]} {first_optim[name][0]}"
-                    )
-    ckpt.close()
-
-
-def _dtype_of(path: Path, name: str) -> torch.dtype:
-    try:
-        return torch_dtype(name)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
-def _check_tensor(path: Path, headers: Dict[str, Any], key: str, numel: Optional[int], dtype: torch.dtype, says: str) -> None:
-    if key not in headers:
-        raise CheckpointError(f"{path}: has no tensor {key!r}, which its metadata lists")
-    shape = headers[key].get_shape()
-    found = _TORCH_DTYPES.get(headers[key].get_dtype())
-    if numel is not None and _numel(shape) != numel:
-        raise CheckpointError(f"{path}: tensor {key!r} has {_numel(shape)} elements (shape {list(shape)}); {says} {numel}")
-    if found != dtype:
-        raise CheckpointError(f"{path}: tensor {key!r} is {headers[key].get_dtype()}; {says} {dtype}")
-
-
-def _optim_layout(optim: Optional[Dict[str, Any]]) -> Any:
-    return None if optim is None else (optim.get("type"), optim.get("param_groups"))
-
-
-def _first_difference(meta: Any, first: Any) -> str:
-    theirs = {g.key: g for g in first.groups}
-    for g in meta.groups:
-        if g.key not in theirs:
-            return f"group {g.key!r} is not in rank 0's"
-        if g != theirs[g.key]:
-            return f"group {g.key!r} differs"
-    if len(meta.groups) != len(first.groups):
-        return f"{len(meta.groups)} groups, rank 0's has {len(first.groups)}"
-    if meta.buffers != first.buffers:
-        return "its buffers differ"
-    return "its optimizer metadata differs"
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -486,28 +397,26 @@ def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> T
     their group. And ``optimizer.json``: type, param groups with their parameters' names, and
     the non-tensor state."""
     saved = ckpt.metas[0].optimizer
-    f = ckpt.file(0)
     states: Dict[str, List[str]] = {}
     for key in ckpt.tensor_names(0):
         if key.startswith(f"{OPTIM}/"):
-            group, state = key[len(OPTIM) + 1 :].rsplit("/", 1)
+            group, _, state = key[len(OPTIM) + 1 :].rpartition("/")
             states.setdefault(group, []).append(state)
     out_names = lambda e: names[e.name]  # noqa: E731
     tensors = []
     for group in ckpt.groups.values():
-        shard_shape = list(f.get_slice(f"{MODEL}/{group.key}").get_shape())
+        shard_shape = ckpt.tensor_header(0, f"{MODEL}/{group.key}").shape
         for state in sorted(states.get(group.key, [])):
-            header = f.get_slice(f"{OPTIM}/{group.key}/{state}")
-            dtype = _TORCH_DTYPES[header.get_dtype()]
-            sharded = list(header.get_shape()) == shard_shape
+            header = ckpt.tensor_header(0, f"{OPTIM}/{group.key}/{state}")
+            sharded = header.shape == shard_shape
             for entry in group.params:
                 if sharded:
                     read = _optim_reader(ckpt, group, entry, state)
                     shape = entry.shape
                 else:
                     read = _whole_reader(ckpt, f"{OPTIM}/{group.key}/{state}")
-                    shape = tuple(header.get_shape())
-                tensors.extend(OutTensor(f"{n}.{state}", shape, dtype, read) for n in out_names(entry))
+                    shape = header.shape
+                tensors.extend(OutTensor(f"{n}.{state}", shape, header.dtype, read) for n in out_names(entry))
     params_of = {g.key: [n for e in g.params for n in out_names(e)] for g in ckpt.groups.values()}
     param_groups = [
         {**{k: v for k, v in pg.items() if k != "groups"}, "params": [n for key in pg["groups"] for n in params_of[key]]}
@@ -515,7 +424,7 @@ def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> T
     ]
     scalars: Dict[str, Dict[str, Any]] = {}
     for key, value in saved.get("scalars", {}).items():
-        group, state = key.rsplit("/", 1)
+        group, _, state = key.rpartition("/")
         for n in params_of.get(group, []):
             scalars.setdefault(n, {})[state] = value
     return tensors, {"type": saved["type"], "param_groups": param_groups, "state": scalars}
@@ -526,7 +435,7 @@ def _optim_reader(ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry,
 
 
 def _whole_reader(ckpt: ShardedCheckpoint, key: str) -> Callable[[int, int], torch.Tensor]:
-    return lambda a, b: [ckpt.file(0).get_tensor(key).reshape(-1)[a:b]]
+    return lambda a, b: [ckpt.read_whole(0, key).reshape(-1)[a:b]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,11 +467,15 @@ def safetensors_header(tensors: Sequence[OutTensor]) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
 
 
-def write_safetensors(path: Path, tensors: Sequence[OutTensor], budget: ReadBudget, bar: Any, chunk_bytes: int = CHUNK_BYTES) -> None:
+def write_safetensors(
+    path: Path, tensors: Sequence[OutTensor], budget: ReadBudget, bar: Any, chunk_bytes: int = CHUNK_BYTES,
+    check: Callable[[], None] = lambda: None,
+) -> None:
     """Write a safetensors file tensor by tensor, each in pieces of at most ``chunk_bytes``.
 
     A piece in the dtype written goes from the rank file's memory map to the output file without
-    a copy; one to cast is copied into a buffer reused for every piece."""
+    a copy; one to cast is copied into a buffer reused for every piece. ``check`` runs after
+    every piece (the checksum verifier's verdict so far)."""
     header = safetensors_header(tensors)
     casts: Dict[torch.dtype, torch.Tensor] = {}
     with open(path, "wb", buffering=0) as f:
@@ -588,6 +501,7 @@ def write_safetensors(path: Path, tensors: Sequence[OutTensor], budget: ReadBudg
                     bar.update(data.numel() * t.dtype.itemsize)
                     budget.add(piece.numel() * piece.dtype.itemsize)
                     del piece, data
+                    check()
                 if done != stop - start:
                     raise CheckpointError(
                         f"{t.name}: elements [{start}, {stop}) read as {done}: the rank files hold fewer than their metadata says"
@@ -603,7 +517,86 @@ def _write_all(f: Any, view: memoryview) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Checksums, checked beside the writing
+
+
+def _to_verify(ckpt: Any, buffers: bool, optimizer: bool) -> List[Tuple[int, List[str]]]:
+    """(rank, tensor names) whose bytes the consolidation reads: every rank's model shards, rank
+    0's buffers when they are written, every optimizer tensor with ``--optimizer``."""
+    if not isinstance(ckpt, ShardedCheckpoint):
+        return []  # torch_xla's files carry no checksums
+    work = []
+    for rank in range(len(ckpt.files)):
+        names = [
+            n for n in ckpt.tensor_names(rank)
+            if n.startswith(f"{MODEL}/") or (optimizer and n.startswith(f"{OPTIM}/")) or (buffers and rank == 0 and n.startswith(f"{BUFFER}/"))
+        ]
+        work.append((rank, names))
+    return work
+
+
+class Verifier:
+    """Checks tensor bytes against their checksums in a thread of its own while the main thread
+    writes (zlib's CRC-32 and file reads release the GIL, so it takes another core), reading
+    the files through one reused buffer (no memory map: its pages would count as resident).
+    The output is committed only after it is done and found nothing."""
+
+    def __init__(self, ckpt: Any, work: List[Tuple[int, List[str]]]) -> None:
+        self.ckpt, self.work = ckpt, work
+        self.error: Optional[BaseException] = None
+        self._cancelled = False
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self.work:
+            self._thread = threading.Thread(target=self._run, name="accel-xla-fsdp checksums", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for rank, names in self.work:
+                self.ckpt.verify(rank, names, cancelled=lambda: self._cancelled)
+        except CheckpointError as e:
+            self.error = e
+        except OSError as e:
+            self.error = CheckpointError(f"{e.filename or self.ckpt.directory}: cannot be read to check its checksums ({e.strerror or e})")
+        except BaseException as e:  # noqa: BLE001 - reported in the main thread
+            self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self.check()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._thread is not None:
+            self._thread.join()
+
+
+# ---------------------------------------------------------------------------------------------
 # The output directory
+#
+# [Note: committing a consolidation]
+# The files are written into a staging folder inside OUT_DIR (``.consolidating-<pid>-<hex>``,
+# locked with flock while its process runs), so that moving them into place is a rename within
+# one filesystem, whatever OUT_DIR is (a mount point, a symbolic link to another disk). Only once
+# every file is complete (and the checksums found nothing) a journal, COMMIT.json, is written in
+# the staging folder and the files are renamed into OUT_DIR in an order that keeps a loader from
+# mixing two models: weight shards first (an old index whose shard names the new files take is
+# removed before them), then the index or ``model.safetensors`` (the switch), then the rest;
+# then the old model's other weight files are removed. A consolidation killed before the journal
+# leaves OUT_DIR as it was (plus the staging folder); one killed after it is finished by the next
+# consolidation into OUT_DIR, which also removes staging folders of dead processes, and the
+# ``.<OUT_DIR>.consolidating-*`` folders earlier versions staged beside OUT_DIR.
+
+STAGING = re.compile(r"\.consolidating-\d+-[0-9a-f]{8}")
+JOURNAL = "COMMIT.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def model_files(directory: Path) -> List[Path]:
@@ -611,6 +604,8 @@ def model_files(directory: Path) -> List[Path]:
 
 
 def check_output_dir(out: Path, written: Set[str], overwrite: bool) -> None:
+    if out.is_symlink() and not out.exists():
+        raise CheckpointError(f"{out}: a symbolic link to nothing")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory")
     if out.is_dir():
@@ -622,47 +617,115 @@ def check_output_dir(out: Path, written: Set[str], overwrite: bool) -> None:
             )
 
 
-def check_free_space(out: Path, nbytes: int) -> None:
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
-    if free < nbytes + 2**20:
-        raise CheckpointError(f"{existing}: {free / 1e9:.2f} GB free, the output takes {nbytes / 1e9:.2f} GB")
+def check_free_space(out: Path, nbytes: int, what: str = "the output") -> None:
+    _check_free_space(out, nbytes, what)
 
 
 @contextmanager
-def staging_dir(out: Path) -> Iterator[Path]:
-    """A new directory beside ``out`` to write into; removed on error (with the parents it made)."""
+def staging_dir(out: Path, written: Set[str] = frozenset(), overwrite: bool = True) -> Iterator[Path]:
+    """A new folder inside ``out`` (created, with its parents, if missing) to write into,
+    locked while we write; on error it is removed, and so are the folders this created.
+    What killed consolidations left in ``out`` is cleaned up (or finished) first."""
+    out = Path(os.path.abspath(out))
     created = []
-    parent = out.absolute().parent
-    while not parent.exists():
+    parent = out
+    while not parent.exists() and not parent.is_symlink():
         created.append(parent)
         parent = parent.parent
-    out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.absolute().parent / f".{out.name}.consolidating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp: Optional[Path] = None
+    lock = -1
     try:
+        clean_leftovers(out)
+        check_output_dir(out, written, overwrite)  # a finished commit may have put a model there
+        tmp = out / f".consolidating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        lock = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         for d in created:  # innermost first
             try:
                 d.rmdir()
             except OSError:
                 break
         raise
+    finally:
+        if lock >= 0:
+            os.close(lock)
 
 
-def commit(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Put the finished files in place: the directory renamed to ``out``, or, when ``out``
-    exists, each file moved into it (after removing the model it held, if ``overwrite``)."""
-    if not out.exists():
-        os.rename(tmp, out)
+def clean_leftovers(out: Path) -> None:
+    """Finish (journal written) or remove the staging folders of consolidations that are no
+    longer running (their lock is free), in ``out`` and, as earlier versions put them, beside it."""
+    for path in sorted(out.iterdir()):
+        if STAGING.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+            _finish_or_remove(path, out)
+    legacy = re.compile(rf"\.{re.escape(out.name)}\.consolidating-\d+-[0-9a-f]{{8}}")
+    try:
+        beside = sorted(out.parent.iterdir())
+    except OSError:
+        beside = []  # a parent we may not list: nothing of ours to find there
+    for path in beside:
+        if legacy.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+            _finish_or_remove(path, None)
+
+
+def _finish_or_remove(stage: Path, out: Optional[Path]) -> None:
+    try:
+        fd = os.open(stage, os.O_RDONLY)
+    except OSError:
         return
-    if overwrite:
-        for old in model_files(out):
-            old.unlink()
-    for f in sorted(tmp.iterdir()):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # its consolidation is running
+        except OSError:
+            pass  # no locks on this filesystem: a staging folder of a process of ours that is gone
+        journal = stage / JOURNAL
+        if out is not None and journal.is_file():
+            try:
+                steps = json.loads(journal.read_text())
+                _replay(stage, out, steps)
+            except (ValueError, KeyError, TypeError, OSError):
+                pass  # not ours after all, or damaged: removed below without touching OUT_DIR
+        shutil.rmtree(stage, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+def commit(stage: Path, out: Path, overwrite: bool = True) -> None:
+    """Put the finished files in place ([Note: committing a consolidation])."""
+    new = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
+    old = {p.name for p in model_files(out)}
+    first = [WEIGHTS_INDEX_NAME] if WEIGHTS_INDEX_NAME in old and any(n in old for n in new if _SHARD_FILE.fullmatch(n)) else []
+    shards = [n for n in new if _SHARD_FILE.fullmatch(n)]
+    switch = [n for n in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME) if n in new]
+    rest = [n for n in new if n not in shards and n not in switch]
+    steps = {"remove_first": first, "moves": shards + switch + rest, "remove": sorted(old - set(new))}
+    (stage / JOURNAL).write_text(json.dumps(steps))
+    _replay(stage, out, steps)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def _replay(stage: Path, out: Path, steps: Dict[str, List[str]]) -> None:
+    """Carry out (or finish) a commit; every step can be done again."""
+    safe = lambda name: isinstance(name, str) and name == Path(name).name and not name.startswith(".")  # noqa: E731
+    for name in filter(safe, steps["remove_first"]):
+        _unlink(out / name)
+    for name in filter(safe, steps["moves"]):
+        if (stage / name).exists():
+            os.replace(stage / name, out / name)
+    for name in filter(safe, steps["remove"]):
+        if _MODEL_FILE.fullmatch(name):
+            _unlink(out / name)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

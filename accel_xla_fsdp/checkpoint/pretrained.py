@@ -13,7 +13,6 @@ per replica before wrapping shards it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from .format import CheckpointError, read_flat_slice
+from .format import CheckpointError, FileHeader, check_dict, check_name, parse_json, read_flat_slice, read_header
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -34,6 +33,7 @@ class PretrainedWeights:
         self.folder = Path(folder)
         self._file_of = _tensor_files(self.folder)
         self._aliases: Dict[int, List[str]] = {}
+        self._headers: Dict[Path, FileHeader] = {}
 
     def remember_names(self, model: nn.Module) -> None:
         """Every name of every parameter (tied ones have several), by object.
@@ -50,7 +50,13 @@ class PretrainedWeights:
         name = self._stored_name(param)
         # Opened per read: the file is memory-mapped, and pages of a mapping kept open stay in
         # the process's resident memory (4 replicas reading their quarters map the whole file).
-        with safe_open(str(self._file_of[name]), framework="pt") as f:
+        path = self._file_of[name]
+        header = self._headers.get(path)
+        if header is None:
+            header = self._headers[path] = read_header(path)  # every entry checked, once per file
+        if name not in header.tensors:
+            raise CheckpointError(f"{path}: has no tensor {name!r}, which the index places there")
+        with safe_open(str(path), framework="pt") as f:
             shape = tuple(f.get_slice(name).get_shape())
             if shape != tuple(param.shape):
                 raise CheckpointError(
@@ -77,12 +83,20 @@ def pretrained_weights(folder: str | Path) -> PretrainedWeights:
 
 def _tensor_files(folder: Path) -> Dict[str, Path]:
     if (folder / INDEX).is_file():
+        where = folder / INDEX
         try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{folder / INDEX}: not a valid safetensors index ({e})") from None
-        return {name: folder / file for name, file in weight_map.items()}
+            text = where.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot be read ({e})") from None
+        index = check_dict(parse_json(text, str(where), "the index"), str(where))
+        weight_map = check_dict(index.get("weight_map"), f"{where}, field 'weight_map'")
+        files = {}
+        for name, file in weight_map.items():
+            check_name(name, f"{where}, field 'weight_map'")
+            if not isinstance(file, str) or file != Path(file).name or file.startswith("."):
+                raise CheckpointError(f"{where}: tensor {name!r} is in {str(file)[:60]!r}, not a file of {folder}")
+            files[name] = folder / file
+        return files
     if (folder / SINGLE).is_file():
-        with safe_open(str(folder / SINGLE), framework="pt") as f:
-            return {name: folder / SINGLE for name in f.keys()}
+        return {name: folder / SINGLE for name in read_header(folder / SINGLE).tensors}
     raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX}; save the model with save_pretrained(safe_serialization=True)")

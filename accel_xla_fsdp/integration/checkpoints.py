@@ -31,7 +31,7 @@ from accelerate.utils import RNG_STATE_NAME
 from accelerate.utils import load as accelerate_load
 
 from .. import _xla
-from ..checkpoint import CheckpointError, consolidate, load_sharded, save_sharded
+from ..checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -125,15 +125,19 @@ def rotate(root: Path, total_limit: Optional[int]) -> None:
 
 
 def load(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], load_kwargs: Optional[dict]) -> dict:
-    """Read the checkpoint in ``folder`` on every replica; returns what Accelerate restores too."""
-    for index, (model, optimizer) in enumerate(pairs):
+    """Read the checkpoint in ``folder`` on every replica; returns what Accelerate restores too.
+    Every model's files are checked (one save of one run, every header and metadata field)
+    before any model is loaded."""
+    for index in range(len(pairs)):
         source = sharded_dir(folder, index)
         if not (source / "checkpoint.json").is_file():
             raise CheckpointError(
                 f"{folder} holds no XLA FSDP model {index} ({source.name}/checkpoint.json is missing): "
                 "load a folder written by accel_xla_fsdp's Accelerator.save_state"
             )
-        load_sharded(model, optimizer, str(source))
+        ShardedCheckpoint(source).close()
+    for index, (model, optimizer) in enumerate(pairs):
+        load_sharded(model, optimizer, str(sharded_dir(folder, index)))
     with _accelerate_files:
         restored = load_accelerator_state(
             str(folder), [], [], accelerator._schedulers, accelerator._dataloaders, accelerator.process_index,
