@@ -5,10 +5,12 @@ XLA FSDP settings on to the replicas (launch.py): a training script imports ``Ac
 ``accel_xla_fsdp`` at module level.
 """
 
+from . import pretrained_loading
 from .accelerator import Accelerator
 from .launch import export_launch_settings
 from .plugin import XlaFsdpPlugin
 
 export_launch_settings()
+pretrained_loading.install()
 
 __all__ = ["Accelerator", "XlaFsdpPlugin"]

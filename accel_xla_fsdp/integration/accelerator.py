@@ -36,7 +36,7 @@ from .. import _xla
 from ..checkpointing import checkpoint_module
 from ..fsdp import FlatShardKey, XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
-from . import checkpoints, replica_threads
+from . import checkpoints, pretrained_loading, replica_threads
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin, _PluginBase
 
@@ -116,14 +116,17 @@ class Accelerator(accelerate.Accelerator):
         if ``fsdp_sync_module_states``; ``transformers``' gradient checkpointing becomes ours.
         ``flat_shard_key``: see ``XlaFullyShardedDataParallel``."""
         plugin = self.xla_fsdp_plugin
-        if plugin.sync_module_states and self.num_processes > 1:
+        source = pretrained_loading.shard_source(model)  # loaded with fsdp_cpu_ram_efficient_loading
+        if plugin.sync_module_states and self.num_processes > 1 and source is not None:
+            pretrained_loading.share_rank0_real_tensors(model, self.device)
+        elif plugin.sync_module_states and self.num_processes > 1:
             if not _xla.replicas_are_threads():
                 model.to(self.device)  # torch_xla's broadcast runs on the device
             _xla.broadcast_from_rank0_([*model.parameters(), *model.buffers()])
         blocks = _take_over_gradient_checkpointing(model)
         wrapped = plugin.wrap(
             model, self.compute_dtype, checkpoint_blocks=plugin.activation_checkpointing and not blocks,
-            flat_shard_key=flat_shard_key,
+            flat_shard_key=flat_shard_key, param_init_fn=source,
         )
         logger.info(f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units")
         return wrapped

@@ -1,0 +1,205 @@
+"""``from_pretrained`` in replica threads, and pretrained models that are never whole in host memory.
+
+Importing the integration patches ``transformers``' ``PreTrainedModel.from_pretrained`` (and
+``_from_config``, which ``AutoModel*.from_config`` calls) twice over:
+
+* Every call takes one process-wide lock. transformers 5 builds models inside process-wide
+  contexts (the meta device, "do not tie weights yet"); on XLA:CPU the replicas are threads of one
+  process, and four threads loading a tied-embedding model at once left ``lm_head.weight`` on the
+  meta device, every time (measured). On a TPU (one process per chip) the lock is never contended.
+* With ``fsdp_cpu_ram_efficient_loading`` on (Accelerate's key, ``FSDP_CPU_RAM_EFFICIENT_LOADING``),
+  ``from_pretrained`` builds the model on the meta device as usual and then reads nothing: it
+  remembers which safetensors file holds each parameter, by parameter object (so the names may
+  change afterwards: a PEFT wrapping adds ``base_model.model.`` and ``.base_layer``). Parameters
+  the files lack (a new classification head) are initialized by ``transformers`` as usual, buffers
+  are computed (rotary ``inv_freq``) or read whole (persistent ones). ``Accelerator.prepare`` then
+  shards the model with ``shard_source(model)`` as ``param_init_fn``: each replica reads only its
+  slices of the files (``checkpoint/pretrained.py``). Until ``prepare`` the model's weights are on
+  the meta device: it can be modified (frozen, wrapped, resized to the same shapes) but not run.
+
+Accelerate's own path for this key (FSDP on GPUs) loads the whole model on rank 0 and broadcasts
+it; here no replica holds it whole, and replicas that are threads share the one host.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from .. import _xla
+from ..checkpoint.pretrained import PretrainedWeights
+from .plugin import configured
+
+_LOADING = threading.RLock()
+_deferring = threading.local()
+# The models loaded with the key on, and the files of each (a wrapping model finds them through
+# its modules: a PEFT model holds the loaded one).
+_LOADED: "weakref.WeakKeyDictionary[nn.Module, PretrainedWeights]" = weakref.WeakKeyDictionary()
+_UNSUPPORTED_ARGUMENTS = ("device_map", "quantization_config", "gguf_file", "state_dict", "tp_plan", "distributed_config")
+
+
+def install() -> None:
+    """Patch ``PreTrainedModel`` (once per process)."""
+    from transformers import modeling_utils
+
+    model_class = modeling_utils.PreTrainedModel
+    if getattr(model_class.from_pretrained, "accel_xla_fsdp", False):
+        return
+    model_class.from_pretrained = _patched_from_pretrained(model_class.from_pretrained.__func__)
+    model_class._from_config = _locked_classmethod(model_class._from_config.__func__)
+    model_class._load_pretrained_model = staticmethod(_deferred_or(model_class._load_pretrained_model))
+
+
+def shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
+    """The weight files of ``model`` (or of the model inside it) if it was loaded with
+    ``fsdp_cpu_ram_efficient_loading``, as the ``param_init_fn`` that fills its shards; else None."""
+    sources = {id(_LOADED[m]): _LOADED[m] for m in model.modules() if m in _LOADED}
+    if len(sources) > 1:
+        raise ValueError(
+            "prepare(): this model holds several models loaded with fsdp_cpu_ram_efficient_loading; prepare "
+            "each on its own, or load them with the key off"
+        )
+    return next(iter(sources.values()), None)
+
+
+def share_rank0_real_tensors(model: nn.Module, device: torch.device) -> None:
+    """``sync_module_states`` for a model loaded with the key on: rank 0's values of the tensors
+    that hold values (parameters the files lack, buffers); the others come from the files."""
+    real = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
+    if not _xla.replicas_are_threads():
+        for t in real:  # torch_xla's broadcast runs on the device
+            t.data = t.data.to(device)
+    _xla.broadcast_from_rank0_(real)
+
+
+# ---------------------------------------------------------------------------------------------
+# The patches
+
+
+def _locked_classmethod(original: Callable[..., Any]) -> classmethod:
+    def locked(cls: type, *args: Any, **kwargs: Any) -> Any:
+        with _LOADING:
+            return original(cls, *args, **kwargs)
+
+    locked.__doc__ = original.__doc__
+    return classmethod(locked)
+
+
+def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        with _LOADING:
+            if not configured("cpu_ram_efficient_loading"):
+                return original(cls, *args, **kwargs)
+            _refuse_unsupported(kwargs)
+            _deferring.source = None
+            _deferring.active = True
+            try:
+                loaded = original(cls, *args, **kwargs)
+            finally:
+                _deferring.active = False
+            model = loaded[0] if isinstance(loaded, tuple) else loaded
+            if _deferring.source is not None:
+                _deferring.source.remember_names(model)  # tied now: the head is the embedding
+                _LOADED[model] = _deferring.source
+            return loaded
+
+    from_pretrained.__doc__ = original.__doc__
+    from_pretrained.accel_xla_fsdp = True
+    return classmethod(from_pretrained)
+
+
+def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
+    given = [name for name in _UNSUPPORTED_ARGUMENTS if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"from_pretrained({given[0]}=...) with fsdp_cpu_ram_efficient_loading: the model is loaded straight "
+            f"into FSDP shards by prepare(), which does not take {given[0]}. Drop the argument, or turn "
+            "fsdp_cpu_ram_efficient_loading off (FSDP_CPU_RAM_EFFICIENT_LOADING=false) for this model"
+        )
+
+
+def _deferred_or(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load(model: nn.Module, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(_deferring, "active", False):
+            return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        return _remember_files(model, checkpoint_files, load_config), None
+
+    return load
+
+
+def _remember_files(model: nn.Module, checkpoint_files: Optional[List[str]], load_config: Any) -> Any:
+    """What ``_load_pretrained_model`` returns (a ``LoadStateDictInfo``), having read nothing but
+    the files' headers and the buffers they store; the files are kept for ``prepare``."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    if not checkpoint_files:
+        raise ValueError("fsdp_cpu_ram_efficient_loading: from_pretrained found no weight files to load from")
+    folder = Path(checkpoint_files[0]).parent
+    source = PretrainedWeights(folder, files=checkpoint_files)
+    stored = set(source.stored_names())
+    expected = set(model.state_dict().keys())
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing, unexpected = expected - stored - tied, stored - expected
+    _refuse_renamed_weights(model, folder, missing, unexpected, load_config)
+    _check_shapes(source, model, expected & stored)
+    for name in expected & stored:
+        tensor = model.get_parameter_or_buffer(name)
+        if isinstance(tensor, nn.Parameter):
+            tensor._is_hf_initialized = True  # stays on meta: prepare() reads its shards
+        else:
+            _set_buffer(model, name, source.read_whole(name, tensor))
+    _deferring.source = source
+    return LoadStateDictInfo(
+        missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(), error_msgs=[],
+        conversion_errors={}, skipped_pp_keys=set(),
+    )
+
+
+def _refuse_renamed_weights(model: nn.Module, folder: Path, missing: Set[str], unexpected: Set[str], load_config: Any) -> None:
+    """Weights stored under other names than the model's, which transformers renames while
+    loading (a legacy layout, the base model's prefix): prepare() reads tensors by name, and the
+    renamed ones would keep random initial values. Weights the files lack and do not rename (a
+    new head) are initialized by transformers, as when loading normally."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for name in sorted(missing):
+        stored = f"{prefix}.{name}" if f"{prefix}.{name}" in unexpected else name.removeprefix(f"{prefix}.")
+        if prefix and stored in unexpected:
+            _refuse_renamed(folder, stored, name)
+    patterns = [re.compile(p) for t in getattr(load_config, "weight_mapping", None) or [] for p in getattr(t, "source_patterns", [])]
+    for name in sorted(unexpected):
+        if any(p.search(name) for p in patterns):
+            _refuse_renamed(folder, name, "another name")
+
+
+def _refuse_renamed(folder: Path, stored: str, name: str) -> None:
+    raise ValueError(
+        f"fsdp_cpu_ram_efficient_loading: {folder} stores {stored!r}, which transformers loads as {name} (it "
+        "converts this checkpoint while loading), and prepare() reads the files' tensors by the model's names. "
+        "Re-save the model with save_pretrained() after loading it normally, or turn fsdp_cpu_ram_efficient_loading off"
+    )
+
+
+def _check_shapes(source: PretrainedWeights, model: nn.Module, names: Iterable[str]) -> None:
+    shapes = source.stored_shapes()
+    for name in sorted(names):
+        want = tuple(model.get_parameter_or_buffer(name).shape)
+        if shapes[name] != want:
+            raise ValueError(
+                f"fsdp_cpu_ram_efficient_loading: {source.folder}: tensor {name!r} has shape {list(shapes[name])}, "
+                f"the model's {list(want)}; load with the config the weights were saved with"
+            )
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    owner._buffers[attr] = value
+
+
+__all__: Tuple[str, ...] = ("install", "shard_source", "share_rank0_real_tensors")

@@ -1,0 +1,103 @@
+"""``fsdp_cpu_ram_efficient_loading``: a stock ``from_pretrained`` then ``prepare()`` reads each
+replica's shards from the weight files, and gives the model a plain ``from_pretrained`` gives.
+
+The replicas run in a device process of their own with ``FSDP_CPU_RAM_EFFICIENT_LOADING=true``
+(the key is read process-wide, as Accelerate reads it); the reference is a plain
+``from_pretrained`` in the test process. The host-memory figure is scripts/pretrained_benchmark.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+from accel_xla_fsdp import Accelerator, DevicePool, seeded
+
+WORLD = 2
+CONFIG = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", pad_token_id=0,
+)
+
+
+@pytest.fixture(scope="module")
+def efficient_pool() -> Iterator[DevicePool]:
+    with DevicePool(WORLD, env={"FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}) as pool:
+        yield pool
+
+
+def save_model(folder: Path, tied: bool, dtype: torch.dtype = torch.float32) -> None:
+    with seeded(1):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG, tie_word_embeddings=tied))
+    model.to(dtype).save_pretrained(folder)
+
+
+def assert_same_model(state: Dict[str, torch.Tensor], plain: torch.nn.Module) -> None:
+    """``state`` (``get_state_dict`` of the prepared model) holds ``plain``'s weights exactly. Read
+    into a copy of ``plain``, so that a tied head and non-persistent buffers count as the model does."""
+    copy = type(plain)(plain.config).to(plain.dtype)
+    copy.load_state_dict(state, strict=False)
+    for name, value in plain.state_dict().items():
+        assert name in state or name == "lm_head.weight" and plain.config.tie_word_embeddings, f"{name} missing"
+        assert copy.state_dict()[name].dtype == value.dtype and torch.equal(copy.state_dict()[name], value), name
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(1, CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def load_and_prepare(rank: int, world: int, folder: str, model_class: str, dtype: str) -> Dict[str, Any]:
+    """What a stock script does: Accelerator, from_pretrained, AdamW, prepare; what came out."""
+    acc = Accelerator()
+    cls = {"causal": LlamaForCausalLM, "classifier": LlamaForSequenceClassification}[model_class]
+    model = cls.from_pretrained(folder, torch_dtype=getattr(torch, dtype))
+    on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = acc.prepare(model, optimizer)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids().to(acc.device)).logits.cpu()
+    return {
+        "on meta": on_meta, "state": acc.get_state_dict(model), "logits": logits,
+        "shard dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_shards_come_from_the_files_and_equal_the_plain_model(efficient_pool, tmp_path: Path, tied: bool) -> None:
+    save_model(tmp_path, tied)
+    plain = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    results = efficient_pool.run(load_and_prepare, WORLD, str(tmp_path), "causal", "float32")
+    with torch.no_grad():
+        want_logits = plain(input_ids=ids()).logits
+    for out in results:
+        assert out["on meta"] == sorted(n for n, _ in plain.named_parameters()), "whole model loaded before prepare"
+        assert_same_model(out["state"], plain)
+        # rotary inv_freq is computed, not stored: the logits show it is right
+        torch.testing.assert_close(out["logits"], want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_weights_stay_bfloat16_when_asked(efficient_pool, tmp_path: Path) -> None:
+    save_model(tmp_path, tied=True, dtype=torch.bfloat16)
+    for dtype in ("bfloat16", "float32"):
+        plain = LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=getattr(torch, dtype))
+        out = efficient_pool.run(load_and_prepare, WORLD, str(tmp_path), "causal", dtype)[0]
+        assert out["shard dtypes"] == [f"torch.{dtype}"]
+        assert_same_model(out["state"], plain)
+
+
+def test_a_new_head_is_initialized_once_and_shared(efficient_pool, tmp_path: Path) -> None:
+    """A classifier loaded from a causal LM: the files lack ``score.weight``; transformers
+    initializes it, and every replica takes rank 0's."""
+    save_model(tmp_path, tied=False)
+    plain = LlamaForSequenceClassification.from_pretrained(tmp_path)
+    results = efficient_pool.run(load_and_prepare, WORLD, str(tmp_path), "classifier", "float32")
+    assert "score.weight" not in results[0]["on meta"]
+    plain.score.weight.data = results[0]["state"]["score.weight"]  # the one weight not from the files
+    assert_same_model(results[0]["state"], plain)
+    assert torch.equal(results[0]["state"]["score.weight"], results[1]["state"]["score.weight"])
+    assert results[0]["state"]["score.weight"].abs().sum() > 0
