@@ -5,12 +5,15 @@ XLA FSDP settings on to the replicas (launch.py): a training script imports ``Ac
 ``accel_xla_fsdp`` at module level.
 """
 
-from . import pretrained_loading
+from . import pretrained_loading, replica_seeds, script_logging
 from .accelerator import Accelerator
 from .launch import export_launch_settings
 from .plugin import XlaFsdpPlugin
 
 export_launch_settings()
 pretrained_loading.install()
+replica_seeds.install()
+script_logging.drop_torch_xla_basic_config()
+script_logging.per_thread_verbosity()
 
 __all__ = ["Accelerator", "XlaFsdpPlugin"]

@@ -3,17 +3,18 @@
 Importing the integration patches ``transformers``' ``PreTrainedModel.from_pretrained`` (and
 ``_from_config``, which ``AutoModel*.from_config`` calls) twice over:
 
-* Every call takes one process-wide lock. transformers 5 builds models inside process-wide
-  contexts (the meta device, "do not tie weights yet"); on XLA:CPU the replicas are threads of one
-  process, and four threads loading a tied-embedding model at once left ``lm_head.weight`` on the
-  meta device, every time (measured). On a TPU (one process per chip) the lock is never contended.
+* Every call takes one process-wide lock (``replica_seeds.BUILDING``) and draws from the replica
+  thread's own seed (replica_seeds.py). transformers 5 builds models inside process-wide contexts
+  (the meta device, "do not tie weights yet"); on XLA:CPU the replicas are threads of one process,
+  and four threads loading a tied-embedding model at once left ``lm_head.weight`` on the meta
+  device, every time (measured). On a TPU (one process per chip) the lock is never contended.
 * With ``fsdp_cpu_ram_efficient_loading`` on (Accelerate's key, ``FSDP_CPU_RAM_EFFICIENT_LOADING``),
   ``from_pretrained`` builds the model on the meta device as usual and then reads nothing: it
   remembers which safetensors file holds each parameter, by parameter object (so the names may
   change afterwards: a PEFT wrapping adds ``base_model.model.`` and ``.base_layer``). Parameters
   the files lack (a new classification head) are initialized by ``transformers`` as usual, buffers
   are computed (rotary ``inv_freq``) or read whole (persistent ones). ``Accelerator.prepare`` then
-  shards the model with ``shard_source(model)`` as ``param_init_fn``: each replica reads only its
+  shards the model with ``take_shard_source(model)`` as ``param_init_fn``: each replica reads only its
   slices of the files (``checkpoint/pretrained.py``). Until ``prepare`` the model's weights are on
   the meta device: it can be modified (frozen, wrapped, resized to the same shapes) but not run.
 
@@ -29,18 +30,21 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
+from torch.utils.hooks import RemovableHandle
+
 import torch
 import torch.nn as nn
 
 from .. import _xla
 from ..checkpoint.pretrained import PretrainedWeights
+from . import replica_seeds
 from .plugin import configured
 
-_LOADING = threading.RLock()
 _deferring = threading.local()
 # The models loaded with the key on, and the files of each (a wrapping model finds them through
 # its modules: a PEFT model holds the loaded one).
-_LOADED: "weakref.WeakKeyDictionary[nn.Module, PretrainedWeights]" = weakref.WeakKeyDictionary()
+_LOADED: "weakref.WeakKeyDictionary[nn.Module, Tuple[PretrainedWeights, RemovableHandle]]" = weakref.WeakKeyDictionary()
+_prepared = threading.local()  # this replica prepared a model: later loads are not deferred
 _UNSUPPORTED_ARGUMENTS = ("device_map", "quantization_config", "gguf_file", "state_dict", "tp_plan", "distributed_config")
 
 
@@ -56,15 +60,21 @@ def install() -> None:
     model_class._load_pretrained_model = staticmethod(_deferred_or(model_class._load_pretrained_model))
 
 
-def shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
-    """The weight files of ``model`` (or of the model inside it) if it was loaded with
-    ``fsdp_cpu_ram_efficient_loading``, as the ``param_init_fn`` that fills its shards; else None."""
-    sources = {id(_LOADED[m]): _LOADED[m] for m in model.modules() if m in _LOADED}
+def take_shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
+    """For ``prepare()``: the weight files of ``model`` (or of the model inside it) if it was
+    loaded with ``fsdp_cpu_ram_efficient_loading``, as the ``param_init_fn`` that fills its shards;
+    else None. From now on this replica's ``from_pretrained`` loads as usual (a model loaded
+    after training, to evaluate it on the CPU, is not prepared)."""
+    _prepared.done = True
+    loaded = [m for m in model.modules() if m in _LOADED]
+    sources = {id(_LOADED[m][0]): _LOADED[m][0] for m in loaded}
     if len(sources) > 1:
         raise ValueError(
             "prepare(): this model holds several models loaded with fsdp_cpu_ram_efficient_loading; prepare "
             "each on its own, or load them with the key off"
         )
+    for m in loaded:
+        _LOADED.pop(m)[1].remove()  # its forward is FSDP's from now on
     return next(iter(sources.values()), None)
 
 
@@ -84,7 +94,7 @@ def share_rank0_real_tensors(model: nn.Module, device: torch.device) -> None:
 
 def _locked_classmethod(original: Callable[..., Any]) -> classmethod:
     def locked(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with _LOADING:
+        with replica_seeds.thread_generator():
             return original(cls, *args, **kwargs)
 
     locked.__doc__ = original.__doc__
@@ -93,8 +103,8 @@ def _locked_classmethod(original: Callable[..., Any]) -> classmethod:
 
 def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with _LOADING:
-            if not configured("cpu_ram_efficient_loading"):
+        with replica_seeds.thread_generator():
+            if getattr(_prepared, "done", False) or not configured("cpu_ram_efficient_loading"):
                 return original(cls, *args, **kwargs)
             _refuse_unsupported(kwargs)
             _deferring.source = None
@@ -106,12 +116,20 @@ def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
             model = loaded[0] if isinstance(loaded, tuple) else loaded
             if _deferring.source is not None:
                 _deferring.source.remember_names(model)  # tied now: the head is the embedding
-                _LOADED[model] = _deferring.source
+                _LOADED[model] = (_deferring.source, model.register_forward_pre_hook(_refuse_unprepared_forward))
             return loaded
 
     from_pretrained.__doc__ = original.__doc__
     from_pretrained.accel_xla_fsdp = True
     return classmethod(from_pretrained)
+
+
+def _refuse_unprepared_forward(module: nn.Module, args: Any) -> None:
+    raise RuntimeError(
+        f"this {type(module).__name__} was loaded with fsdp_cpu_ram_efficient_loading: its weights are on the meta "
+        "device until accelerator.prepare(model) reads them from the files into shards. Prepare it before running "
+        "it, or load it with the key off (FSDP_CPU_RAM_EFFICIENT_LOADING=false) to use it unprepared"
+    )
 
 
 def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
@@ -202,4 +220,4 @@ def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner._buffers[attr] = value
 
 
-__all__: Tuple[str, ...] = ("install", "shard_source", "share_rank0_real_tensors")
+__all__: Tuple[str, ...] = ("install", "take_shard_source", "share_rank0_real_tensors")
