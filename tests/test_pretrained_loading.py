@@ -8,6 +8,7 @@ The replicas run in a device process of their own with ``FSDP_CPU_RAM_EFFICIENT_
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator
 
@@ -101,3 +102,71 @@ def test_a_new_head_is_initialized_once_and_shared(efficient_pool, tmp_path: Pat
     assert_same_model(results[0]["state"], plain)
     assert torch.equal(results[0]["state"]["score.weight"], results[1]["state"]["score.weight"])
     assert results[0]["state"]["score.weight"].abs().sum() > 0
+
+
+def lora_prepared(rank: int, world: int, folder: str) -> str:
+    """PEFT's LoRA on a model loaded with the key on: its adapters land on the meta device."""
+    from peft import LoraConfig, get_peft_model
+
+    acc = Accelerator()
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(folder), LoraConfig(r=4, target_modules=["q_proj"]))
+    try:
+        acc.prepare(model)
+    except ValueError as e:
+        return str(e)
+    return "prepared"
+
+
+def test_peft_adapters_on_a_model_loaded_into_shards_are_refused_by_name(efficient_pool, tmp_path: Path) -> None:
+    save_model(tmp_path, tied=True)
+    message = efficient_pool.run(lora_prepared, WORLD, str(tmp_path))[0]
+    assert "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight'" in message
+    assert "PEFT" in message and "FSDP_CPU_RAM_EFFICIENT_LOADING=false" in message
+
+
+def run_unprepared(rank: int, world: int, folder: str) -> str:
+    model = LlamaForCausalLM.from_pretrained(folder)
+    try:
+        model(input_ids=ids())
+    except RuntimeError as e:
+        return str(e)
+    return "ran"
+
+
+def test_running_a_model_before_prepare_says_what_to_do(efficient_pool, tmp_path: Path) -> None:
+    save_model(tmp_path, tied=True)
+    message = efficient_pool.run(run_unprepared, WORLD, str(tmp_path))[0]
+    assert "fsdp_cpu_ram_efficient_loading" in message and "accelerator.prepare(model)" in message
+
+
+def test_unsupported_loading_arguments_are_refused(monkeypatch, tmp_path: Path) -> None:
+    import accel_xla_fsdp.integration  # noqa: F401 - installs the patch
+
+    save_model(tmp_path, tied=True)
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    with pytest.raises(ValueError, match="device_map.*fsdp_cpu_ram_efficient_loading"):
+        LlamaForCausalLM.from_pretrained(tmp_path, device_map="cpu")
+
+
+_START = threading.Barrier(4)
+
+
+def load_tied(rank: int, world: int, folder: str) -> Dict[str, Any]:
+    _START.wait()  # all at once
+    model = LlamaForCausalLM.from_pretrained(folder)
+    return {
+        "on meta": [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta],
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "state": model.state_dict(),
+    }
+
+
+def test_from_pretrained_on_four_replica_threads_at_once(pools, tmp_path: Path) -> None:
+    """The key off: every replica loads the whole model, all at once (transformers 5's loading is
+    not thread-safe: without the lock the tied head stayed on the meta device)."""
+    save_model(tmp_path, tied=True)
+    plain = LlamaForCausalLM.from_pretrained(tmp_path)
+    for out in pools[4].run(load_tied, 4, str(tmp_path)):
+        assert out["on meta"] == [] and out["tied"]
+        for name, value in plain.state_dict().items():
+            assert torch.equal(out["state"][name], value), name

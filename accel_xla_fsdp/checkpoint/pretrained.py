@@ -76,6 +76,13 @@ class PretrainedWeights:
                 )
             return read_flat_slice(f, name, start, stop, str(self._file_of[name])).to(param.dtype, copy=True)
 
+    def unstored_meta_parameters(self, model: nn.Module) -> List[str]:
+        """Names of ``model``'s parameters on the meta device stored under none of their names."""
+        return [
+            n for n, p in model.named_parameters()
+            if p.is_meta and not any(name in self._file_of for name in self._aliases.get(id(p), [n]))
+        ]
+
     def read_whole(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Tensor ``name`` of the files, whole, in ``like``'s dtype (for buffers)."""
         with safe_open(str(self._file_of[name]), framework="pt") as f:
@@ -94,7 +101,8 @@ class PretrainedWeights:
             return None
         raise CheckpointError(
             f"{self.folder}: no tensor {' or '.join(map(repr, names))} in these weights, and the parameter is on the "
-            "meta device: a module added after building the model on the meta device has no values to shard"
+            "meta device: a module added after building the model on the meta device has no values to shard. Give "
+            "it real values (build it on the CPU) before wrapping, or build the model on the CPU"
         )
 
 

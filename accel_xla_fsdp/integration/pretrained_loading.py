@@ -16,7 +16,9 @@ Importing the integration patches ``transformers``' ``PreTrainedModel.from_pretr
   are computed (rotary ``inv_freq``) or read whole (persistent ones). ``Accelerator.prepare`` then
   shards the model with ``take_shard_source(model)`` as ``param_init_fn``: each replica reads only its
   slices of the files (``checkpoint/pretrained.py``). Until ``prepare`` the model's weights are on
-  the meta device: it can be modified (frozen, wrapped, resized to the same shapes) but not run.
+  the meta device: it can be modified (frozen, given new modules with real values) but not run.
+  A PEFT adapter added to it lands on the meta device (PEFT moves it to its base layer's) and
+  loses its initial values: ``prepare`` refuses it, by name, and says to load with the key off.
 
 Accelerate's own path for this key (FSDP on GPUs) loads the whole model on rank 0 and broadcasts
 it; here no replica holds it whole, and replicas that are threads share the one host.
@@ -75,7 +77,25 @@ def take_shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
         )
     for m in loaded:
         _LOADED.pop(m)[1].remove()  # its forward is FSDP's from now on
-    return next(iter(sources.values()), None)
+    source = next(iter(sources.values()), None)
+    if source is not None:
+        _refuse_valueless_parameters(model, source)
+    return source
+
+
+def _refuse_valueless_parameters(model: nn.Module, source: PretrainedWeights) -> None:
+    """Parameters added after loading on the meta device (PEFT puts an adapter on its base
+    layer's device, and loses its initial values), which the files do not hold either."""
+    source.remember_names(model)
+    valueless = source.unstored_meta_parameters(model)
+    if valueless:
+        raise ValueError(
+            f"prepare(): {valueless[0]!r} (and {len(valueless) - 1} more) was added to a model loaded with "
+            "fsdp_cpu_ram_efficient_loading, on the meta device, where it has no values, and the weight files do not "
+            "hold it. PEFT adapters (get_peft_model) are made so: they take their base layer's device. Load the model "
+            "with fsdp_cpu_ram_efficient_loading off (FSDP_CPU_RAM_EFFICIENT_LOADING=false, or fsdp_config) for a "
+            "PEFT run, or give a new module real values (build it on the CPU) before prepare()"
+        )
 
 
 def share_rank0_real_tensors(model: nn.Module, device: torch.device) -> None:
