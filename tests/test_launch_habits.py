@@ -10,6 +10,7 @@ process; and the launcher's settings that cannot reach the replicas stop the run
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -113,3 +114,41 @@ def test_import_inside_main_stops_with_what_to_do(pretrained, tmp_path: Path) ->
     assert done.returncode != 0
     assert "asked for 4 processes" in done.stderr and "1 XLA device(s) run" in done.stderr
     assert "at module level" in done.stderr
+
+
+def test_device_count_other_than_asked_stops(monkeypatch) -> None:
+    from accel_xla_fsdp.integration import launch as launch_settings
+
+    monkeypatch.setenv(launch_settings.NUM_PROCESSES_ENV, "4")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    monkeypatch.delenv(launch_settings.READ_LATE_ENV, raising=False)
+    launch_settings.check_device_count(4)
+    with pytest.raises(RuntimeError, match="asked for 4 processes.*2 XLA device.*unset CPU_NUM_DEVICES"):
+        launch_settings.check_device_count(2)
+    monkeypatch.setenv(launch_settings.READ_LATE_ENV, "1")
+    with pytest.raises(RuntimeError, match="at module level"):
+        launch_settings.check_device_count(1)
+
+
+def test_launcher_command_line_is_recognised_behind_the_interpreter() -> None:
+    from accel_xla_fsdp.integration.launch import launch_arguments
+
+    argv = ["/venv/bin/python3.11", "/venv/bin/accelerate", "launch", "--config_file", "c.yaml", "s.py"]
+    assert launch_arguments(argv) == ["--config_file", "c.yaml", "s.py"]
+    assert launch_arguments(["/venv/bin/python", "train.py"]) is None
+
+
+def test_torch_xla_basic_config_handler_is_dropped(monkeypatch) -> None:
+    from accel_xla_fsdp.integration.script_logging import drop_torch_xla_basic_config
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    logging.basicConfig()  # what import torch_xla does
+    drop_torch_xla_basic_config()
+    assert root.handlers == []
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the script's own now takes effect
+    assert root.level == logging.INFO and len(root.handlers) == 1
+    custom = root.handlers[0]
+    drop_torch_xla_basic_config()  # a configured root is left alone
+    assert root.handlers == [custom]
