@@ -2,7 +2,10 @@
 
 Importing this package in the launcher process of ``accelerate launch`` passes the config file's
 XLA FSDP settings on to the replicas (launch.py): a training script imports ``Accelerator`` from
-``accel_xla_fsdp`` at module level.
+``accel_xla_fsdp`` at module level. The import also makes stock scripts behave on XLA:CPU replica
+threads as with a process per replica: ``from_pretrained`` and ``set_seed`` (pretrained_loading.py,
+replica_seeds.py), logging (script_logging.py); and ``from_pretrained`` with
+``fsdp_cpu_ram_efficient_loading`` loads straight into shards (pretrained_loading.py).
 """
 
 from . import pretrained_loading, replica_seeds, script_logging
