@@ -35,7 +35,8 @@ CONFIG = dict(
 
 
 def launch(folder: Path, out: Path, *launch_args: str, late_import: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_", "FSDP_", "ACCEL"))}
+    ours = ("PJRT_", "CPU_NUM_DEVICES", "XLA_", "FSDP_", "ACCEL")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if late_import:
         env["STOCK_SCRIPT_LATE_IMPORT"] = "1"
@@ -73,7 +74,8 @@ def four_replicas(pretrained, tmp_path_factory) -> Iterator[Tuple[subprocess.Com
 
 def test_logs_print_as_on_the_cpu(four_replicas) -> None:
     done, _ = four_replicas
-    assert done.stderr.count("INFO - stock_script - [RANK 0] script log line: 4 processes") == 1, "the script's own basicConfig"
+    # the script's own basicConfig took effect
+    assert done.stderr.count("INFO - stock_script - [RANK 0] script log line: 4 processes") == 1
     # transformers' INFO line of the main process's from_pretrained, once: the other replicas set
     # verbosity "error" after it set "info"
     assert done.stderr.count("[transformers] loading weights file") == 1, done.stderr[-3000:]

@@ -115,7 +115,9 @@ def _listed_files(files: Iterable[str | Path]) -> Dict[str, Path]:
     found: Dict[str, Path] = {}
     for file in map(Path, files):
         if file.suffix != ".safetensors":
-            raise CheckpointError(f"{file}: not a safetensors file; save the model with save_pretrained(safe_serialization=True)")
+            raise CheckpointError(
+                f"{file}: not a safetensors file; save the model with save_pretrained(safe_serialization=True)"
+            )
         with safe_open(str(file), framework="pt") as f:
             found.update({name: file for name in f.keys()})
     return found

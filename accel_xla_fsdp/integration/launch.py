@@ -103,10 +103,11 @@ def check_device_count(running: int) -> None:
             "importing accel_xla_fsdp there. Put `from accel_xla_fsdp import Accelerator` at module level in "
             "the script (not inside main())"
         )
+    overridden = _xla.on_cpu() and "CPU_NUM_DEVICES" in os.environ
     raise RuntimeError(
         f"accelerate launch was asked for {asked} processes ({config}, or --num_processes), but {running} XLA "
         "device(s) run: set num_processes to the number of devices (a TPU host's chip count)"
-        + (", or unset CPU_NUM_DEVICES, which takes precedence" if _xla.on_cpu() and "CPU_NUM_DEVICES" in os.environ else "")
+        + (", or unset CPU_NUM_DEVICES, which takes precedence" if overridden else "")
     )
 
 

@@ -45,9 +45,13 @@ from .plugin import configured
 _deferring = threading.local()
 # The models loaded with the key on, and the files of each (a wrapping model finds them through
 # its modules: a PEFT model holds the loaded one).
-_LOADED: "weakref.WeakKeyDictionary[nn.Module, Tuple[PretrainedWeights, RemovableHandle]]" = weakref.WeakKeyDictionary()
+_LOADED: "weakref.WeakKeyDictionary[nn.Module, Tuple[PretrainedWeights, RemovableHandle]]" = (
+    weakref.WeakKeyDictionary()
+)
 _prepared = threading.local()  # this replica prepared a model: later loads are not deferred
-_UNSUPPORTED_ARGUMENTS = ("device_map", "quantization_config", "gguf_file", "state_dict", "tp_plan", "distributed_config")
+_UNSUPPORTED_ARGUMENTS = (
+    "device_map", "quantization_config", "gguf_file", "state_dict", "tp_plan", "distributed_config",
+)
 
 
 def install() -> None:
@@ -163,7 +167,9 @@ def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
 
 
 def _deferred_or(original: Callable[..., Any]) -> Callable[..., Any]:
-    def load(model: nn.Module, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any) -> Any:
+    def load(
+        model: nn.Module, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         if not getattr(_deferring, "active", False):
             return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         return _remember_files(model, checkpoint_files, load_config), None
@@ -199,7 +205,9 @@ def _remember_files(model: nn.Module, checkpoint_files: Optional[List[str]], loa
     )
 
 
-def _refuse_renamed_weights(model: nn.Module, folder: Path, missing: Set[str], unexpected: Set[str], load_config: Any) -> None:
+def _refuse_renamed_weights(
+    model: nn.Module, folder: Path, missing: Set[str], unexpected: Set[str], load_config: Any
+) -> None:
     """Weights stored under other names than the model's, which transformers renames while
     loading (a legacy layout, the base model's prefix): prepare() reads tensors by name, and the
     renamed ones would keep random initial values. Weights the files lack and do not rename (a
@@ -209,7 +217,8 @@ def _refuse_renamed_weights(model: nn.Module, folder: Path, missing: Set[str], u
         stored = f"{prefix}.{name}" if f"{prefix}.{name}" in unexpected else name.removeprefix(f"{prefix}.")
         if prefix and stored in unexpected:
             _refuse_renamed(folder, stored, name)
-    patterns = [re.compile(p) for t in getattr(load_config, "weight_mapping", None) or [] for p in getattr(t, "source_patterns", [])]
+    transforms = getattr(load_config, "weight_mapping", None) or []
+    patterns = [re.compile(p) for t in transforms for p in getattr(t, "source_patterns", [])]
     for name in sorted(unexpected):
         if any(p.search(name) for p in patterns):
             _refuse_renamed(folder, name, "another name")
@@ -219,7 +228,8 @@ def _refuse_renamed(folder: Path, stored: str, name: str) -> None:
     raise ValueError(
         f"fsdp_cpu_ram_efficient_loading: {folder} stores {stored!r}, which transformers loads as {name} (it "
         "converts this checkpoint while loading), and prepare() reads the files' tensors by the model's names. "
-        "Re-save the model with save_pretrained() after loading it normally, or turn fsdp_cpu_ram_efficient_loading off"
+        "Re-save the model with save_pretrained() after loading it normally, or turn fsdp_cpu_ram_efficient_loading "
+        "off"
     )
 
 
