@@ -170,3 +170,14 @@ def test_from_pretrained_on_four_replica_threads_at_once(pools, tmp_path: Path) 
         assert out["on meta"] == [] and out["tied"]
         for name, value in plain.state_dict().items():
             assert torch.equal(out["state"][name], value), name
+
+
+def test_the_key_set_in_code_reaches_from_pretrained(monkeypatch) -> None:
+    """As Accelerate's FSDP plugin does, the plugin exports the key for ``from_pretrained``."""
+    from accel_xla_fsdp import XlaFsdpPlugin
+    from accel_xla_fsdp.integration.plugin import configured
+
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
+    assert configured("cpu_ram_efficient_loading") is False
+    assert XlaFsdpPlugin(cpu_ram_efficient_loading=True).cpu_ram_efficient_loading is True
+    assert configured("cpu_ram_efficient_loading") is True
