@@ -88,6 +88,10 @@ class PretrainedWeights:
         with safe_open(str(self._file_of[name]), framework="pt") as f:
             return f.get_tensor(name).to(like.dtype)
 
+    def stored_name(self, param: nn.Parameter) -> Optional[str]:
+        """The name ``param`` is stored under in the files, if any of its names is."""
+        return next((name for name in self._aliases.get(id(param), []) if name in self._file_of), None)
+
     def _stored_name(self, param: nn.Parameter) -> Optional[str]:
         """The parameter's name in the files (a tied parameter may be stored under any of its
         names); None for one with real values stored under none."""

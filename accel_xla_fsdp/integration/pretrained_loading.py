@@ -84,7 +84,23 @@ def take_shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
     source = next(iter(sources.values()), None)
     if source is not None:
         _refuse_valueless_parameters(model, source)
+        _refuse_reshaped_parameters(model, source)
     return source
+
+
+def _refuse_reshaped_parameters(model: nn.Module, source: PretrainedWeights) -> None:
+    """Parameters whose shape changed after loading (``resize_token_embeddings``): their values
+    would have to come partly from the files, partly from an initialization."""
+    shapes = source.stored_shapes()
+    for name, param in model.named_parameters():
+        stored = source.stored_name(param)
+        if param.is_meta and stored is not None and shapes[stored] != tuple(param.shape):
+            raise ValueError(
+                f"prepare(): {name!r} has shape {list(param.shape)}, but {source.folder} stores {stored!r} as "
+                f"{list(shapes[stored])}: the model was changed after from_pretrained (resize_token_embeddings?). "
+                "With fsdp_cpu_ram_efficient_loading the weights are read from the files as they are: load the model "
+                "with the key off (FSDP_CPU_RAM_EFFICIENT_LOADING=false) to resize it"
+            )
 
 
 def _refuse_valueless_parameters(model: nn.Module, source: PretrainedWeights) -> None:
