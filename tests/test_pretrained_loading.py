@@ -104,23 +104,43 @@ def test_a_new_head_is_initialized_once_and_shared(efficient_pool, tmp_path: Pat
     assert results[0]["state"]["score.weight"].abs().sum() > 0
 
 
-def lora_prepared(rank: int, world: int, folder: str) -> str:
-    """PEFT's LoRA on a model loaded with the key on: its adapters land on the meta device."""
+def lora_prepared(rank: int, world: int, folder: str) -> Dict[str, Any]:
+    """PEFT's LoRA on a model loaded into shards: its adapters keep their initial values."""
     from peft import LoraConfig, get_peft_model
 
     acc = Accelerator()
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(folder), LoraConfig(r=4, target_modules=["q_proj"]))
-    try:
-        acc.prepare(model)
-    except ValueError as e:
-        return str(e)
-    return "prepared"
+    model = LlamaForCausalLM.from_pretrained(folder)
+    with seeded(0):
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, optimizer = acc.prepare(model, optimizer)
+    stepped = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    return {"state": acc.get_state_dict(model), "optimizer elements": stepped * world}
 
 
-def prepare_resized(rank: int, world: int, folder: str) -> str:
+def test_peft_lora_on_a_model_loaded_into_shards(efficient_pool, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    save_model(tmp_path, tied=True)
+    plain = LlamaForCausalLM.from_pretrained(tmp_path)
+    with seeded(0):
+        plain = get_peft_model(plain, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    want = plain.state_dict()
+    assert any("lora_A" in name for name in want) and any(".base_layer." in name for name in want)
+    assert any(v.abs().sum() > 0 for n, v in want.items() if "lora_A" in n)
+    for out in efficient_pool.run(lora_prepared, WORLD, str(tmp_path)):
+        for name, value in want.items():
+            if name.endswith("lm_head.weight"):  # tied: the embedding
+                continue
+            assert torch.equal(out["state"][name], value), name
+        lora = sum(v.numel() for n, v in want.items() if "lora_" in n)
+        assert lora <= out["optimizer elements"] < lora + 2 * WORLD * 4, "the optimizer holds the adapters only"
+
+
+def prepare_with_a_meta_module(rank: int, world: int, folder: str) -> str:
     acc = Accelerator()
     model = LlamaForCausalLM.from_pretrained(folder)
-    model.resize_token_embeddings(CONFIG["vocab_size"] + 8, mean_resizing=False)  # with it: .item() on meta
+    model.extra = torch.nn.Linear(4, 4, device="meta")
     try:
         acc.prepare(model)
     except ValueError as e:
@@ -128,17 +148,10 @@ def prepare_resized(rank: int, world: int, folder: str) -> str:
     return "prepared"
 
 
-def test_a_resized_embedding_is_refused_by_name(efficient_pool, tmp_path: Path) -> None:
+def test_a_module_without_values_is_refused_by_name(efficient_pool, tmp_path: Path) -> None:
     save_model(tmp_path, tied=True)
-    message = efficient_pool.run(prepare_resized, WORLD, str(tmp_path))[0]
-    assert "'model.embed_tokens.weight' has shape [72, 32]" in message and "resize_token_embeddings" in message
-
-
-def test_peft_adapters_on_a_model_loaded_into_shards_are_refused_by_name(efficient_pool, tmp_path: Path) -> None:
-    save_model(tmp_path, tied=True)
-    message = efficient_pool.run(lora_prepared, WORLD, str(tmp_path))[0]
-    assert "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight'" in message
-    assert "PEFT" in message and "FSDP_CPU_RAM_EFFICIENT_LOADING=false" in message
+    message = efficient_pool.run(prepare_with_a_meta_module, WORLD, str(tmp_path))[0]
+    assert "'extra.weight' (and 1 more)" in message and "FSDP_CPU_RAM_EFFICIENT_LOADING=false" in message
 
 
 def run_unprepared(rank: int, world: int, folder: str) -> str:

@@ -17,8 +17,8 @@ Importing the integration patches ``transformers``' ``PreTrainedModel.from_pretr
   shards the model with ``take_shard_source(model)`` as ``param_init_fn``: each replica reads only its
   slices of the files (``checkpoint/pretrained.py``). Until ``prepare`` the model's weights are on
   the meta device: it can be modified (frozen, given new modules with real values) but not run.
-  A PEFT adapter added to it lands on the meta device (PEFT moves it to its base layer's) and
-  loses its initial values: ``prepare`` refuses it, by name, and says to load with the key off.
+  A PEFT adapter added to it keeps its initial values (see the note on PEFT below); other
+  modules added on the meta device are refused by ``prepare``, by name.
 
 Accelerate's own path for this key (FSDP on GPUs) loads the whole model on rank 0 and broadcasts
 it; here no replica holds it whole, and replicas that are threads share the one host.
@@ -83,6 +83,7 @@ def take_shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
         _LOADED.pop(m)[1].remove()  # its forward is FSDP's from now on
     source = next(iter(sources.values()), None)
     if source is not None:
+        _restore_peft_adapters(model)
         _refuse_valueless_parameters(model, source)
         _refuse_reshaped_parameters(model, source)
     return source
@@ -104,17 +105,16 @@ def _refuse_reshaped_parameters(model: nn.Module, source: PretrainedWeights) -> 
 
 
 def _refuse_valueless_parameters(model: nn.Module, source: PretrainedWeights) -> None:
-    """Parameters added after loading on the meta device (PEFT puts an adapter on its base
-    layer's device, and loses its initial values), which the files do not hold either."""
+    """Parameters added after loading on the meta device, which the files do not hold either
+    (a PEFT version that places adapters otherwise than the note above expects)."""
     source.remember_names(model)
     valueless = source.unstored_meta_parameters(model)
     if valueless:
         raise ValueError(
             f"prepare(): {valueless[0]!r} (and {len(valueless) - 1} more) was added to a model loaded with "
             "fsdp_cpu_ram_efficient_loading, on the meta device, where it has no values, and the weight files do not "
-            "hold it. PEFT adapters (get_peft_model) are made so: they take their base layer's device. Load the model "
-            "with fsdp_cpu_ram_efficient_loading off (FSDP_CPU_RAM_EFFICIENT_LOADING=false, or fsdp_config) for a "
-            "PEFT run, or give a new module real values (build it on the CPU) before prepare()"
+            "hold it. Build new modules with real values (on the CPU) before prepare(), or load the model with "
+            "fsdp_cpu_ram_efficient_loading off (FSDP_CPU_RAM_EFFICIENT_LOADING=false)"
         )
 
 
@@ -155,6 +155,7 @@ def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
                 _deferring.active = False
             model = loaded[0] if isinstance(loaded, tuple) else loaded
             if _deferring.source is not None:
+                _remember_peft_adapters()
                 _deferring.source.remember_names(model)  # tied now: the head is the embedding
                 _LOADED[model] = (_deferring.source, model.register_forward_pre_hook(_refuse_unprepared_forward))
             return loaded
@@ -162,6 +163,52 @@ def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
     from_pretrained.__doc__ = original.__doc__
     from_pretrained.accel_xla_fsdp = True
     return classmethod(from_pretrained)
+
+
+# [Note: PEFT adapters on a model loaded into shards]
+# PEFT initializes an adapter (LoRA's A at random, B at zero) on the CPU, then moves it to its
+# base layer's device: the meta device here, where its values are lost. So the moment before
+# that move, the adapter's values are kept (``_ADAPTER_VALUES``), and ``prepare()`` puts them
+# back in place of the meta parameters (new objects: a meta tensor cannot take real data; an
+# optimizer built on the old ones is mapped onto the shards by name, as always). Every replica
+# then takes rank 0's values (``fsdp_sync_module_states``), as with any parameter the files lack.
+_ADAPTER_VALUES: "weakref.WeakKeyDictionary[nn.Module, Dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _remember_peft_adapters() -> None:
+    """Wrap PEFT's adapter placement, once, if PEFT is installed (see the note above)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return
+    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    if getattr(original, "accel_xla_fsdp", False):
+        return
+
+    def move_adapter(layer: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        if _waits_for_prepare(getattr(layer.get_base_layer(), "weight", None)):
+            kinds = (*layer.adapter_layer_names, *layer.other_param_names)
+            adapter = [(n, p) for n, p in layer.named_parameters() if n.split(".")[0] in kinds and not p.is_meta]
+            _ADAPTER_VALUES.setdefault(layer, {}).update({n: p.detach().clone() for n, p in adapter})
+        return original(layer, adapter_name, *args, **kwargs)
+
+    move_adapter.accel_xla_fsdp = True
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move_adapter
+
+
+def _waits_for_prepare(weight: Optional[torch.Tensor]) -> bool:
+    """A weight left on the meta device by this loading (which flags it initialized)."""
+    return weight is not None and weight.is_meta and getattr(weight, "_is_hf_initialized", False)
+
+
+def _restore_peft_adapters(model: nn.Module) -> None:
+    for layer in model.modules():
+        for name, value in _ADAPTER_VALUES.pop(layer, {}).items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = layer.get_submodule(owner_name)
+            old = owner._parameters.get(attr)
+            if old is not None and old.is_meta and old.shape == value.shape:
+                owner._parameters[attr] = nn.Parameter(value.to(old.dtype), requires_grad=old.requires_grad)
 
 
 def _refuse_unprepared_forward(module: nn.Module, args: Any) -> None:
