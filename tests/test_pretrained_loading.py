@@ -137,6 +137,23 @@ def test_peft_lora_on_a_model_loaded_into_shards(efficient_pool, tmp_path: Path)
         assert lora <= out["optimizer elements"] < lora + 2 * WORLD * 4, "the optimizer holds the adapters only"
 
 
+def prepare_resized(rank: int, world: int, folder: str) -> str:
+    acc = Accelerator()
+    model = LlamaForCausalLM.from_pretrained(folder)
+    model.resize_token_embeddings(CONFIG["vocab_size"] + 8, mean_resizing=False)  # with it: .item() on meta
+    try:
+        acc.prepare(model)
+    except ValueError as e:
+        return str(e)
+    return "prepared"
+
+
+def test_a_resized_embedding_is_refused_by_name(efficient_pool, tmp_path: Path) -> None:
+    save_model(tmp_path, tied=True)
+    message = efficient_pool.run(prepare_resized, WORLD, str(tmp_path))[0]
+    assert "'model.embed_tokens.weight' has shape [72, 32]" in message and "resize_token_embeddings" in message
+
+
 def prepare_with_a_meta_module(rank: int, world: int, folder: str) -> str:
     acc = Accelerator()
     model = LlamaForCausalLM.from_pretrained(folder)

@@ -32,10 +32,9 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from torch.utils.hooks import RemovableHandle
-
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import _xla
 from ..checkpoint.pretrained import PretrainedWeights
@@ -84,6 +83,7 @@ def take_shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
     source = next(iter(sources.values()), None)
     if source is not None:
         _restore_peft_adapters(model)
+        source.remember_names(model)  # as it is now: wrapped, with new modules
         _refuse_valueless_parameters(model, source)
         _refuse_reshaped_parameters(model, source)
     return source
@@ -107,7 +107,6 @@ def _refuse_reshaped_parameters(model: nn.Module, source: PretrainedWeights) -> 
 def _refuse_valueless_parameters(model: nn.Module, source: PretrainedWeights) -> None:
     """Parameters added after loading on the meta device, which the files do not hold either
     (a PEFT version that places adapters otherwise than the note above expects)."""
-    source.remember_names(model)
     valueless = source.unstored_meta_parameters(model)
     if valueless:
         raise ValueError(
