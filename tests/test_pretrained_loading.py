@@ -31,10 +31,10 @@ def efficient_pool() -> Iterator[DevicePool]:
         yield pool
 
 
-def save_model(folder: Path, tied: bool, dtype: torch.dtype = torch.float32) -> None:
+def save_model(folder: Path, tied: bool, dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
     with seeded(1):
         model = LlamaForCausalLM(LlamaConfig(**CONFIG, tie_word_embeddings=tied))
-    model.to(dtype).save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder, max_shard_size=max_shard_size)
 
 
 def assert_same_model(state: Dict[str, torch.Tensor], plain: torch.nn.Module) -> None:
@@ -68,9 +68,14 @@ def load_and_prepare(rank: int, world: int, folder: str, model_class: str, dtype
     }
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_shards_come_from_the_files_and_equal_the_plain_model(efficient_pool, tmp_path: Path, tied: bool) -> None:
-    save_model(tmp_path, tied)
+@pytest.mark.parametrize(
+    "tied, max_shard_size", [(True, "5GB"), (False, "20KB")], ids=["tied", "untied, sharded files"]
+)
+def test_shards_come_from_the_files_and_equal_the_plain_model(
+    efficient_pool, tmp_path: Path, tied: bool, max_shard_size: str
+) -> None:
+    save_model(tmp_path, tied, max_shard_size=max_shard_size)
+    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (not tied)
     plain = LlamaForCausalLM.from_pretrained(tmp_path).eval()
     results = efficient_pool.run(load_and_prepare, WORLD, str(tmp_path), "causal", "float32")
     with torch.no_grad():
