@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -140,28 +141,39 @@ def _locked_classmethod(original: Callable[..., Any]) -> classmethod:
     return classmethod(locked)
 
 
+@dataclass
+class _Deferral:
+    """One ``from_pretrained`` call that reads no weights; ``source`` is what it found."""
+
+    source: Optional[PretrainedWeights] = None
+
+
 def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         with replica_seeds.thread_generator():
             if getattr(_prepared, "done", False) or not configured("cpu_ram_efficient_loading"):
                 return original(cls, *args, **kwargs)
-            _refuse_unsupported(kwargs)
-            _deferring.source = None
-            _deferring.active = True
-            try:
-                loaded = original(cls, *args, **kwargs)
-            finally:
-                _deferring.active = False
-            model = loaded[0] if isinstance(loaded, tuple) else loaded
-            if _deferring.source is not None:
-                _remember_peft_adapters()
-                _deferring.source.remember_names(model)  # tied now: the head is the embedding
-                _LOADED[model] = (_deferring.source, model.register_forward_pre_hook(_refuse_unprepared_forward))
-            return loaded
+            return _load_deferred(original, cls, args, kwargs)
 
     from_pretrained.__doc__ = original.__doc__
     from_pretrained.accel_xla_fsdp = True
     return classmethod(from_pretrained)
+
+
+def _load_deferred(original: Callable[..., Any], cls: type, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    _refuse_unsupported(kwargs)
+    outer, _deferring.call = getattr(_deferring, "call", None), _Deferral()  # a load inside a load keeps its own
+    try:
+        loaded = original(cls, *args, **kwargs)
+        source = _deferring.call.source
+    finally:
+        _deferring.call = outer
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    if source is not None:
+        _remember_peft_adapters()
+        source.remember_names(model)  # tied now: the head is the embedding
+        _LOADED[model] = (source, model.register_forward_pre_hook(_refuse_unprepared_forward))
+    return loaded
 
 
 # [Note: PEFT adapters on a model loaded into shards]
@@ -232,16 +244,20 @@ def _deferred_or(original: Callable[..., Any]) -> Callable[..., Any]:
     def load(
         model: nn.Module, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if not getattr(_deferring, "active", False):
+        call = getattr(_deferring, "call", None)
+        if call is None:
             return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-        return _remember_files(model, checkpoint_files, load_config), None
+        info, call.source = _remember_files(model, checkpoint_files, load_config)
+        return info, None
 
     return load
 
 
-def _remember_files(model: nn.Module, checkpoint_files: Optional[List[str]], load_config: Any) -> Any:
-    """What ``_load_pretrained_model`` returns (a ``LoadStateDictInfo``), having read nothing but
-    the files' headers and the buffers they store; the files are kept for ``prepare``."""
+def _remember_files(
+    model: nn.Module, checkpoint_files: Optional[List[str]], load_config: Any
+) -> Tuple[Any, PretrainedWeights]:
+    """The ``LoadStateDictInfo`` that ``_load_pretrained_model`` returns, having read nothing but
+    the files' headers and the buffers they store, and the files, for ``prepare``."""
     from transformers.utils.loading_report import LoadStateDictInfo
 
     if not checkpoint_files:
@@ -260,11 +276,11 @@ def _remember_files(model: nn.Module, checkpoint_files: Optional[List[str]], loa
             tensor._is_hf_initialized = True  # stays on meta: prepare() reads its shards
         else:
             _set_buffer(model, name, source.read_whole(name, tensor))
-    _deferring.source = source
-    return LoadStateDictInfo(
+    info = LoadStateDictInfo(
         missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(), error_msgs=[],
         conversion_errors={}, skipped_pp_keys=set(),
     )
+    return info, source
 
 
 def _refuse_renamed_weights(
