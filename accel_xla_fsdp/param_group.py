@@ -94,6 +94,10 @@ class ShardedParamGroup:
         self.grad_hooked: Set[int] = set()  # ids of the full parameters whose gradient is hooked
         self._rank_index: Optional[torch.Tensor] = None  # made on first write-back
         self._placeholder = torch.zeros(1, dtype=options.compute_dtype, device=device)
+        if any(v.is_meta for v in full_values):
+            # A ShardSource fills the shard (the unit sets its data): only its layout is needed,
+            # and real values beside meta ones (a new head beside pretrained weights) cannot be joined.
+            full_values = [v.to("meta") for v in full_values]
         with torch.no_grad():
             shard = self._local_shard(self._pad(self._join(full_values)))
             if shard.is_meta:  # built on the meta device: the unit sets the shard's data

@@ -14,7 +14,7 @@ per replica before wrapping shards it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -27,13 +27,26 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 class PretrainedWeights:
     """A ``param_init_fn`` (a ``ShardSource``) reading a Hugging Face safetensors folder: one
-    ``model.safetensors``, or shards listed by ``model.safetensors.index.json``."""
+    ``model.safetensors``, or shards listed by ``model.safetensors.index.json`` (or the ``files``
+    given). A parameter stored under none of its names that holds real values (not on the meta
+    device: a head added after loading) is read from itself."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, files: Optional[Iterable[str | Path]] = None) -> None:
         self.folder = Path(folder)
-        self._file_of = _tensor_files(self.folder)
+        self._file_of = _tensor_files(self.folder) if files is None else _listed_files(files)
         self._aliases: Dict[int, List[str]] = {}
         self._headers: Dict[Path, FileHeader] = {}
+
+    def stored_names(self) -> List[str]:
+        return list(self._file_of)
+
+    def stored_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Every stored tensor's shape, from the files' headers."""
+        shapes: Dict[str, Tuple[int, ...]] = {}
+        for file in sorted(set(self._file_of.values())):
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        return shapes
 
     def remember_names(self, model: nn.Module) -> None:
         """Every name of every parameter (tied ones have several), by object.
@@ -44,10 +57,14 @@ class PretrainedWeights:
         if callable(getattr(model, "tie_weights", None)):
             model.tie_weights()
         for name, param in model.named_parameters(remove_duplicate=False):
-            self._aliases.setdefault(id(param), []).append(name)
+            names = self._aliases.setdefault(id(param), [])
+            if name not in names:
+                names.append(name)
 
     def read(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
         name = self._stored_name(param)
+        if name is None:
+            return param.detach().reshape(-1)[start:stop].to(param.dtype, copy=True)
         # Opened per read: the file is memory-mapped, and pages of a mapping kept open stay in
         # the process's resident memory (4 replicas reading their quarters map the whole file).
         path = self._file_of[name]
@@ -65,20 +82,55 @@ class PretrainedWeights:
                 )
             return read_flat_slice(f, name, start, stop, str(self._file_of[name])).to(param.dtype, copy=True)
 
-    def _stored_name(self, param: nn.Parameter) -> str:
-        """The parameter's name in the files; a tied parameter may be stored under any of its names."""
+    def unstored_meta_parameters(self, model: nn.Module) -> List[str]:
+        """Names of ``model``'s parameters on the meta device stored under none of their names."""
+        return [
+            n for n, p in model.named_parameters()
+            if p.is_meta and not any(name in self._file_of for name in self._aliases.get(id(p), [n]))
+        ]
+
+    def read_whole(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` of the files, whole, in ``like``'s dtype (for buffers)."""
+        with safe_open(str(self._file_of[name]), framework="pt") as f:
+            return f.get_tensor(name).to(like.dtype)
+
+    def stored_name(self, param: nn.Parameter) -> Optional[str]:
+        """The name ``param`` is stored under in the files, if any of its names is."""
+        return next((name for name in self._aliases.get(id(param), []) if name in self._file_of), None)
+
+    def _stored_name(self, param: nn.Parameter) -> Optional[str]:
+        """The parameter's name in the files (a tied parameter may be stored under any of its
+        names); None for one with real values stored under none."""
         names = self._aliases.get(id(param))
         if names is None:
             raise CheckpointError("a parameter the model was wrapped with was not in it when wrapping began")
         for name in names:
             if name in self._file_of:
                 return name
-        raise CheckpointError(f"{self.folder}: no tensor {' or '.join(map(repr, names))} in these weights")
+        if not param.is_meta:
+            return None
+        raise CheckpointError(
+            f"{self.folder}: no tensor {' or '.join(map(repr, names))} in these weights, and the parameter is on the "
+            "meta device: a module added after building the model on the meta device has no values to shard. Give "
+            "it real values (build it on the CPU) before wrapping, or build the model on the CPU"
+        )
 
 
 def pretrained_weights(folder: str | Path) -> PretrainedWeights:
     """``param_init_fn`` that fills shards from a Hugging Face safetensors folder (see module doc)."""
     return PretrainedWeights(folder)
+
+
+def _listed_files(files: Iterable[str | Path]) -> Dict[str, Path]:
+    found: Dict[str, Path] = {}
+    for file in map(Path, files):
+        if file.suffix != ".safetensors":
+            raise CheckpointError(
+                f"{file}: not a safetensors file; save the model with save_pretrained(safe_serialization=True)"
+            )
+        with safe_open(str(file), framework="pt") as f:
+            found.update({name: file for name in f.keys()})
+    return found
 
 
 def _tensor_files(folder: Path) -> Dict[str, Path]:

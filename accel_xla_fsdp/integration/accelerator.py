@@ -36,7 +36,7 @@ from .. import _xla
 from ..checkpointing import checkpoint_module
 from ..fsdp import FlatShardKey, XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
-from . import checkpoints, replica_threads
+from . import checkpoints, launch, pretrained_loading, replica_threads, script_logging
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin, _PluginBase
 
@@ -67,6 +67,7 @@ class Accelerator(accelerate.Accelerator):
                 f"fsdp_plugin must be an accel_xla_fsdp.XlaFsdpPlugin, got {type(fsdp_plugin).__name__} "
                 "(Accelerate's FullyShardedDataParallelPlugin is for GPUs)"
             )
+        launch.read_settings_in_replica()  # an import inside main(): the launcher passed nothing
         requested = str(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
         self.compute_dtype = compute_dtype_for(requested)
         self.xla_fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else XlaFsdpPlugin()
@@ -78,7 +79,9 @@ class Accelerator(accelerate.Accelerator):
                 f"accel_xla_fsdp.Accelerator needs XLA devices, but Accelerate chose {self.distributed_type}: "
                 "launch with a config whose distributed_type is XLA (plugins/xla_fsdp_cpu.yaml)"
             )
+        launch.check_device_count(self.num_processes)
         _set_local_process_index(self.state)
+        script_logging.per_thread_verbosity()  # datasets' too, if the script imported it since
         # id of a prepared model's own parameter -> its name, and the shard holding it
         self._unwrapped_names: Dict[int, str] = {}
         self._shard_of: Dict[int, nn.Parameter] = {}
@@ -116,14 +119,17 @@ class Accelerator(accelerate.Accelerator):
         if ``fsdp_sync_module_states``; ``transformers``' gradient checkpointing becomes ours.
         ``flat_shard_key``: see ``XlaFullyShardedDataParallel``."""
         plugin = self.xla_fsdp_plugin
-        if plugin.sync_module_states and self.num_processes > 1:
+        source = pretrained_loading.take_shard_source(model)  # loaded with fsdp_cpu_ram_efficient_loading
+        if plugin.sync_module_states and self.num_processes > 1 and source is not None:
+            pretrained_loading.share_rank0_real_tensors(model, self.device)
+        elif plugin.sync_module_states and self.num_processes > 1:
             if not _xla.replicas_are_threads():
                 model.to(self.device)  # torch_xla's broadcast runs on the device
             _xla.broadcast_from_rank0_([*model.parameters(), *model.buffers()])
         blocks = _take_over_gradient_checkpointing(model)
         wrapped = plugin.wrap(
             model, self.compute_dtype, checkpoint_blocks=plugin.activation_checkpointing and not blocks,
-            flat_shard_key=flat_shard_key,
+            flat_shard_key=flat_shard_key, param_init_fn=source,
         )
         logger.info(f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units")
         return wrapped
@@ -281,8 +287,9 @@ class Accelerator(accelerate.Accelerator):
 
 def _set_local_process_index(state: Any) -> None:
     """On XLA:CPU Accelerate reads the local rank from ``LOCAL_RANK``, which nothing sets (so no
-    replica is the local main process); replica threads are all local: it is the rank."""
-    if _xla.replicas_are_threads() and state.local_process_index < 0:
+    replica is the local main process, and ``print`` and progress bars print nothing, with one
+    replica too); every XLA:CPU replica is in this process: it is the rank."""
+    if _xla.on_cpu() and state.local_process_index < 0:
         for shared in (state, accelerate.PartialState()):
             shared.local_process_index = state.process_index
 

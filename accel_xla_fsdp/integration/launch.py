@@ -7,6 +7,12 @@ not the ``fsdp_config`` section, not ``mixed_precision`` (it only sets torch_xla
 devices. The script's import of ``accel_xla_fsdp.Accelerator`` runs ``export_launch_settings``
 in that launcher process, before the spawn, and it passes them on as environment variables,
 which the replica processes inherit.
+
+An import inside the script's ``main()`` runs only in the replicas, after the spawn: each
+``Accelerator`` then reads the launcher's command line (its parent process's) and takes the
+config from there, but on XLA:CPU the device count was fixed at the spawn, so a run whose
+device count differs from the config's ``num_processes`` stops with what to do
+(``check_device_count``), whatever the cause.
 """
 
 from __future__ import annotations
@@ -19,9 +25,16 @@ from typing import Dict, List, Optional
 from .. import _xla
 from .plugin import CONFIG_FILE_ENV, check_config_section
 
+# The replicas the launcher was asked for (``--num_processes`` or the config's ``num_processes``).
+NUM_PROCESSES_ENV = "ACCEL_XLA_FSDP_NUM_PROCESSES"
+# Set when a replica, not the launcher, read the launch settings.
+READ_LATE_ENV = "ACCEL_XLA_FSDP_SETTINGS_READ_IN_REPLICA"
+
 
 def launch_arguments(argv: List[str]) -> Optional[List[str]]:
-    """The arguments of ``accelerate launch`` if this process is its launcher, else None."""
+    """The arguments of ``accelerate launch`` if ``argv`` is its command line, else None."""
+    if argv and Path(argv[0]).name.startswith("python") and len(argv) > 1:
+        argv = argv[1:]  # the interpreter, as /proc/<pid>/cmdline shows a script with a shebang
     program = Path(argv[0]).name if argv else ""
     if program == "accelerate" and argv[1:2] == ["launch"]:
         return argv[2:]
@@ -52,9 +65,63 @@ def launch_environment(arguments: List[str]) -> Dict[str, str]:
         return {}
     check_config_section(config.fsdp_config or {}, source=path)  # fail in the launcher, once
     env = {CONFIG_FILE_ENV: str(Path(path).resolve())}
+    env[NUM_PROCESSES_ENV] = str(args.num_processes or config.num_processes or 1)
     mixed_precision = args.mixed_precision or config.mixed_precision
     if mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = str(mixed_precision)
     if _xla.on_cpu():
         env.update(_xla.cpu_device_env(args.num_processes or config.num_processes or 1))
     return env
+
+
+def read_settings_in_replica() -> None:
+    """In a replica whose launcher exported nothing (the script imported ``accel_xla_fsdp``
+    inside ``main()``): the launch settings, read from the launcher's command line."""
+    if CONFIG_FILE_ENV in os.environ:
+        return
+    arguments = _launcher_arguments()
+    if arguments is None:
+        return
+    env = launch_environment(arguments)
+    if env:
+        for name in (CONFIG_FILE_ENV, NUM_PROCESSES_ENV, "ACCELERATE_MIXED_PRECISION"):
+            if name in env:
+                os.environ.setdefault(name, env[name])
+        os.environ[READ_LATE_ENV] = "1"
+
+
+def check_device_count(running: int) -> None:
+    """Stop when the devices running are not the replicas ``accelerate launch`` was asked for."""
+    asked = os.environ.get(NUM_PROCESSES_ENV)
+    if asked is None or int(asked) == running:
+        return
+    config = os.environ.get(CONFIG_FILE_ENV, "the config file")
+    if os.environ.get(READ_LATE_ENV) and _xla.on_cpu():
+        raise RuntimeError(
+            f"accelerate launch was asked for {asked} processes ({config}), but {running} XLA device(s) run: "
+            "on XLA:CPU the device count is set in the launcher process, before the replicas start, by "
+            "importing accel_xla_fsdp there. Put `from accel_xla_fsdp import Accelerator` at module level in "
+            "the script (not inside main())"
+        )
+    overridden = _xla.on_cpu() and "CPU_NUM_DEVICES" in os.environ
+    raise RuntimeError(
+        f"accelerate launch was asked for {asked} processes ({config}, or --num_processes), but {running} XLA "
+        "device(s) run: set num_processes to the number of devices (a TPU host's chip count)"
+        + (", or unset CPU_NUM_DEVICES, which takes precedence" if overridden else "")
+    )
+
+
+def _launcher_arguments() -> Optional[List[str]]:
+    """The ``accelerate launch`` arguments of this process's launcher (its parent on XLA:CPU, where
+    torch_xla's worker process runs the replica threads), if an ancestor is one."""
+    pid = os.getppid()
+    for _ in range(3):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+            arguments = launch_arguments(argv)
+            if arguments is not None:
+                return arguments
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return None

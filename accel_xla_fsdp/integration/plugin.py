@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpointing import checkpoint_module
-from ..fsdp import FlatShardKey, XlaFullyShardedDataParallel
+from ..fsdp import FlatShardKey, ParamInitFn, XlaFullyShardedDataParallel
 from ..options import FsdpOptions, argument_name
 from ..wrap import Policy, size_policy, transformer_block_policy
 
@@ -158,6 +158,12 @@ WRAP_SETTINGS: Tuple[Setting, ...] = (
         parse_state_dict_type,
     ),
     Setting(
+        "cpu_ram_efficient_loading", "fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", False,
+        "from_pretrained builds the model on the meta device and prepare() reads each replica's shards "
+        "from the weight files: the model is never whole in host memory (pretrained_loading.py).",
+        parse_bool,
+    ),
+    Setting(
         "sync_module_states", "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", True,
         "Give every replica rank 0's initial weights before sharding.",
         parse_bool,
@@ -190,7 +196,6 @@ SETTINGS = WRAP_SETTINGS + ENGINE_SETTINGS
 _ACCEPTED_KEYS: Dict[str, Tuple[Any, ...]] = {
     "fsdp_version": (1, 2),
     "fsdp_use_orig_params": (True, False),
-    "fsdp_cpu_ram_efficient_loading": (True, False),
     "fsdp_offload_params": (False,),
     "fsdp_forward_prefetch": (False,),
     "fsdp_activation_checkpointing_offload": (False,),
@@ -223,6 +228,9 @@ class _PluginBase:
             else:
                 defaulted.add(setting.name)
             setattr(self, setting.name, setting.default if value is None else value)
+        if "cpu_ram_efficient_loading" not in defaulted:
+            # As Accelerate's FSDP plugin does: from_pretrained reads the environment variable.
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(self.cpu_ram_efficient_loading).lower()
         if self.shard_param_on_dim_0 and "flatten_parameters" in defaulted:
             self.flatten_parameters = False  # dim-0 shards are per parameter: asking for them says so
         self._check_consistent()
@@ -258,18 +266,19 @@ class _PluginBase:
         return None
 
     def wrap(
-        self, model: nn.Module, compute_dtype: torch.dtype, checkpoint_blocks: bool, flat_shard_key: Optional[FlatShardKey] = None
+        self, model: nn.Module, compute_dtype: torch.dtype, checkpoint_blocks: bool,
+        flat_shard_key: Optional[FlatShardKey] = None, param_init_fn: Optional[ParamInitFn] = None,
     ) -> XlaFullyShardedDataParallel:
         """``model`` sharded by these settings (block class names checked against it); with
         ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed.
-        ``flat_shard_key``: see ``XlaFullyShardedDataParallel``."""
+        ``flat_shard_key``, ``param_init_fn``: see ``XlaFullyShardedDataParallel``."""
         options = self.engine_options(compute_dtype)
         policy = self.wrap_policy(model)
         wrapper = _checkpointed_unit if checkpoint_blocks else None
         root = checkpoint_module(model) if checkpoint_blocks and policy is None else model
         return XlaFullyShardedDataParallel(
             root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, flat_shard_key=flat_shard_key,
-            **options.as_arguments(),
+            param_init_fn=param_init_fn, **options.as_arguments(),
         )
 
 
@@ -286,6 +295,16 @@ def _config_file_settings() -> Dict[str, Any]:
 
     section = load_config_from_file(path).fsdp_config or {}
     return check_config_section(section, source=path)
+
+
+def configured(name: str) -> Any:
+    """One setting as a plugin built now without arguments would hold it (environment variable,
+    then the launch config file, then its default), without building one."""
+    setting = next(s for s in SETTINGS if s.name == name)
+    value = os.environ.get(setting.env)
+    if value is None:
+        value = _config_file_settings().get(setting.key)
+    return setting.default if value is None else setting.parse(setting.key, value)
 
 
 def check_config_section(section: Mapping[str, Any], source: str) -> Dict[str, Any]:
