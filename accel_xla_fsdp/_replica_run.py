@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import types
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Set
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 # One condition for the run's state and every meeting: a replica returning wakes every waiter.
 _state = threading.Condition()
@@ -87,37 +87,61 @@ def fail(rank: int, world: int, exc: BaseException) -> NoReturn:
         os._exit(1)
 
 
+Site = Tuple[Tuple[str, int, str], ...]  # (file, line, function) of the frames a replica came from
+
+
 class Meeting:
     """A reusable barrier for the ``parties`` replica threads of this process.
 
     Not ``threading.Barrier``: a replica that has returned must break a meeting at once, and
     aborting a Barrier also breaks it for the threads of a meeting that just completed but have
-    not woken yet.
+    not woken yet. Replicas that come to one meeting from different places (``site``) are said
+    on stderr, once: they are at different points of their programs.
     """
 
     def __init__(self, parties: int) -> None:
         self.parties = parties
         self.generation = 0
-        self.present: Set[int] = set()
+        self.present: Dict[int, Site] = {}
+        self.divergence_said = False
 
-    def wait(self, rank: int, where: str, timeout_s: float) -> None:
+    def wait(self, rank: int, where: str, timeout_s: float, site: Site = ()) -> None:
         """Wait until every replica has come here; ``where`` names the place in errors."""
         with _state:
             generation = self.generation
-            self.present.add(rank)
+            self.present[rank] = site
             if len(self.present) == self.parties:
-                self.present = set()
+                self._check_sites(where)
+                self.present = {}
                 self.generation += 1
                 _state.notify_all()
                 return
             deadline = time.monotonic() + timeout_s
             while self.generation == generation:
-                gone = sorted(_returned - self.present)
+                gone = sorted(_returned - set(self.present))
                 remaining = deadline - time.monotonic()
                 if gone or remaining <= 0:
-                    self.present.discard(rank)
+                    del self.present[rank]
                     raise ReplicaGone(self._missing_message(rank, where, gone, timeout_s))
                 _state.wait(remaining)
+
+    def _check_sites(self, where: str) -> None:
+        by_site: Dict[Site, List[int]] = {}
+        for rank, site in sorted(self.present.items()):
+            by_site.setdefault(site, []).append(rank)
+        if len(by_site) == 1 or self.divergence_said:
+            return
+        self.divergence_said = True
+        places = "".join(
+            f"replica(s) {ranks} came from:\n" + "".join(f'  File "{f}", line {n}, in {fn}\n' for f, n, fn in site)
+            for site, ranks in by_site.items()
+        )
+        sys.stderr.write(
+            f"accel_xla_fsdp: the replicas came to {where} from different places (said once): their "
+            "programs differ, collectives in them do not match, and XLA:CPU aborts the run when a replica "
+            f"waits at one more than 15 s for the others.\n{places}"
+        )
+        sys.stderr.flush()
 
     def _missing_message(self, rank: int, where: str, gone: List[int], timeout_s: float) -> str:
         missing = [r for r in range(self.parties) if r not in self.present and r != rank]
@@ -151,9 +175,9 @@ class Turns:
         self.meeting = Meeting(num_replicas)
         self.turn = 0
 
-    def wait_for(self, rank: int, timeout_s: float) -> None:
+    def wait_for(self, rank: int, timeout_s: float, site: Site = ()) -> None:
         where = f"graph boundary {self.meeting.generation + 1} (xm.mark_step / torch_xla.sync)"
-        self.meeting.wait(rank, where, timeout_s)
+        self.meeting.wait(rank, where, timeout_s, site)
         with _state:  # every replica has come, so every one takes its turn: no timeout needed
             _state.wait_for(lambda: self.turn == rank)
 

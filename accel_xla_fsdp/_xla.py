@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -227,7 +228,7 @@ def _launch_in_turn(
     """
     del wait
     rank = global_rank()
-    turns.wait_for(rank, _sync_timeout_s)
+    turns.wait_for(rank, _sync_timeout_s, _sync_site())
     try:
         compiled, started = _uncached_compiles(), time.monotonic()
         _original_step_marker(device, list(devices), wait=False, reset_scope=reset_scope)
@@ -235,6 +236,23 @@ def _launch_in_turn(
             turns.note_own_program(rank, time.monotonic() - started)
     finally:
         turns.done()
+
+
+_TORCH_XLA_DIR = os.path.dirname(torch_xla.__file__)
+SYNC_SITE_FRAMES = 3
+
+
+def _sync_site() -> _replica_run.Site:
+    """Where this sync was called from: the innermost frames outside torch_xla and this module
+    (a few microseconds). Replicas meeting at one boundary from different places are said."""
+    site: List[Tuple[str, int, str]] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(site) < SYNC_SITE_FRAMES:
+        path = frame.f_code.co_filename
+        if path != __file__ and not path.startswith(_TORCH_XLA_DIR):
+            site.append((path, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(site)
 
 
 def _uncached_compiles() -> int:
@@ -291,6 +309,7 @@ def begin_replica_run() -> None:
     global _turns, _exchange
     with _turns_lock:
         _turns = _exchange = None  # a new run meets afresh (a pool's process serves many)
+    _channel_ids.clear()  # and numbers its collectives afresh, whatever an earlier run left traced
     _replica_run.begin_run()
 
 
@@ -342,7 +361,7 @@ class _Exchange:
 
     def all_gather(self, rank: int, value: Any, tag: str) -> List[Any]:
         self.values[rank] = value
-        self.meeting.wait(rank, f"rendezvous '{tag}'", _sync_timeout_s)
+        self.meeting.wait(rank, f"rendezvous '{tag}'", _sync_timeout_s, _sync_site())
         values = list(self.values)
         # nobody writes the next exchange's value before all have read this one
         self.meeting.wait(rank, f"rendezvous '{tag}' (reading)", _sync_timeout_s)
