@@ -13,7 +13,9 @@ thread that waits can be neither stopped nor told to stop from outside. So:
   is (its Python stack);
 * if XLA:CPU aborts the process (a replica waited more than its fixed 10 s at a collective),
   ``faulthandler`` prints every thread's Python stack, and each replica's outermost frame is
-  named after its rank (``replica_2``): the stacks say which replica was where.
+  named after its rank (``replica_2``): the stacks say which replica was where. What leads to
+  that abort is said on stderr before it: replicas that come to one meeting from different
+  places (their programs differ), and a replica that compiles a program of its own in its turn.
 
 Pure Python: ``_xla`` supplies the ranks.
 """

@@ -209,7 +209,11 @@ def _replica_threads() -> int:
 
 
 def _launch_in_turn(
-    turns: _replica_run.Turns, device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True
+    turns: _replica_run.Turns,
+    device: str = "",
+    devices: Sequence[str] = (),
+    wait: bool = True,
+    reset_scope: bool = True,
 ) -> None:
     """Meet the other replicas, then launch this graph in rank order.
 

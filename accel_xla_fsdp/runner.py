@@ -308,7 +308,9 @@ def _to_host(x: Any) -> Any:
     return tree_map(_to_host, x) if isinstance(x, (list, tuple, dict)) else x
 
 
-def _report_and_exit(conn: Connection, send_lock: threading.Lock, rank: int, world: int, exc: BaseException) -> NoReturn:
+def _report_and_exit(
+    conn: Connection, send_lock: threading.Lock, rank: int, world: int, exc: BaseException
+) -> NoReturn:
     """Send the first failure to the caller and end the process: the other replicas may be stuck
     inside a collective that will never complete, and no thread can be stopped from outside."""
     tb_text = "".join(traceback.format_exception(exc))

@@ -80,8 +80,9 @@ def train(rank: int, when: str, model: torch.nn.Module, optimizer: torch.optim.O
 
 def _under_torch_xla(when: str) -> None:
     rank = xr.global_ordinal()
-    fsdp = lambda m: XlaFullyShardedDataParallel(m, auto_wrap_policy=transformer_block_policy(), flatten_parameters=True)
-    model, optimizer = build(fsdp)
+    model, optimizer = build(
+        lambda m: XlaFullyShardedDataParallel(m, auto_wrap_policy=transformer_block_policy(), flatten_parameters=True)
+    )
     train(rank, when, model, optimizer, lambda loss: loss.backward())
 
 

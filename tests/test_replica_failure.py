@@ -42,7 +42,8 @@ def run(launcher: str, when: str) -> tuple:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     if launcher != "accelerate":  # accelerate launch takes the device count from the config file
         env.update(_xla.cpu_device_env(4))
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    python_path = os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=python_path)
     process = subprocess.Popen(
         command(launcher, when), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # the launcher's worker process dies with it
