@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +29,9 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 from torch_xla import runtime as _runtime
+from torch_xla._internal import pjrt
+
+from . import _replica_run
 
 Groups = Optional[List[List[int]]]
 
@@ -110,8 +115,6 @@ def enter_replica_thread(dev: torch.device) -> None:
 
 def run_on_native_devices(fn: Callable[[], object]) -> dict:
     """The TPU (and any non-CPU) path: torch_xla's own process-per-chip launcher."""
-    from torch_xla._internal import pjrt
-
     return pjrt.run_multiprocess(fn)
 
 
@@ -177,42 +180,15 @@ def _reset_channel_ids() -> None:
     _channel_ids[device()] = 0
 
 
-class _Turns:
-    """Replicas meet, then take turns in rank order, at every graph boundary."""
-
-    def __init__(self, num_replicas: int) -> None:
-        self.num_replicas = num_replicas
-        self.barrier = threading.Barrier(num_replicas)
-        self.turn = 0
-        self.cond = threading.Condition()
-
-    def wait_for(self, rank: int) -> None:
-        try:
-            self.barrier.wait(_sync_timeout_s)
-        except threading.BrokenBarrierError:
-            raise RuntimeError(
-                f"replica {rank} waited {_sync_timeout_s:.0f} s at a graph boundary (xm.mark_step / "
-                "torch_xla.sync) for the other replicas. On XLA:CPU devices every replica must call "
-                "sync the same number of times."
-            ) from None
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == rank)
-
-    def done(self) -> None:
-        with self.cond:
-            self.turn = (self.turn + 1) % self.num_replicas
-            self.cond.notify_all()
-
-
-_turns: Optional[_Turns] = None
+_turns: Optional[_replica_run.Turns] = None
 _turns_lock = threading.Lock()
 
 
-def _process_turns(num_replicas: int) -> _Turns:
+def _process_turns(num_replicas: int) -> _replica_run.Turns:
     global _turns
     with _turns_lock:
         if _turns is None:
-            _turns = _Turns(num_replicas)
+            _turns = _replica_run.Turns(num_replicas)
         return _turns
 
 
@@ -233,7 +209,11 @@ def _replica_threads() -> int:
 
 
 def _launch_in_turn(
-    turns: _Turns, device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True
+    turns: _replica_run.Turns,
+    device: str = "",
+    devices: Sequence[str] = (),
+    wait: bool = True,
+    reset_scope: bool = True,
 ) -> None:
     """Meet the other replicas, then launch this graph in rank order.
 
@@ -252,11 +232,36 @@ def _launch_in_turn(
     """
     del wait
     rank = global_rank()
-    turns.wait_for(rank)
+    turns.wait_for(rank, _sync_timeout_s, _sync_site())
     try:
+        compiled, started = _uncached_compiles(), time.monotonic()
         _original_step_marker(device, list(devices), wait=False, reset_scope=reset_scope)
+        if rank > 0 and _uncached_compiles() > compiled:
+            turns.note_own_program(rank, time.monotonic() - started)
     finally:
         turns.done()
+
+
+_TORCH_XLA_DIR = os.path.dirname(torch_xla.__file__)
+SYNC_SITE_FRAMES = 3
+
+
+def _sync_site() -> _replica_run.Site:
+    """Where this sync was called from: the innermost frames outside torch_xla and this module
+    (a few microseconds). Replicas meeting at one boundary from different places are said."""
+    site: List[Tuple[str, int, str]] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(site) < SYNC_SITE_FRAMES:
+        path = frame.f_code.co_filename
+        if path != __file__ and not path.startswith(_TORCH_XLA_DIR):
+            site.append((path, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(site)
+
+
+def _uncached_compiles() -> int:
+    """Programs this process has compiled so far (torch_xla's counter; a few microseconds)."""
+    return torch_xla._XLAC._xla_counter_value("UncachedCompile") or 0
 
 
 def _step_marker(*args: Any, **kwargs: Any) -> None:
@@ -290,6 +295,58 @@ _original_step_marker = _install_step_marker()
 
 
 # ---------------------------------------------------------------------------------------------
+# A failing replica ends the run, whoever launched it
+#
+# torch_xla's launcher (``pjrt.run_multiprocess``, which ``xmp.spawn`` and ``accelerate launch``
+# call) runs the replicas of a worker process in a thread pool and collects their results in rank
+# order: a replica that raises is only noticed once the replicas before it have returned, and the
+# pool then waits for the others, which wait for the failed one at their next meeting or
+# collective (600 s, or for ever). Importing this module puts ``_run_replica_threads`` in place of
+# its thread runner, so that each replica runs under ``_replica_run.run_replica``: the first to
+# raise prints its traceback and ends the worker process; the pool's parent then sees its worker
+# die (``BrokenProcessPool``), stops the other workers (on a TPU, the other chips' processes) and
+# exits non-zero. The worker imports this module to unpickle the runner, before any replica starts.
+
+
+def begin_replica_run() -> None:
+    """A launcher is about to start a new set of replica threads in this process."""
+    global _turns, _exchange
+    with _turns_lock:
+        _turns = _exchange = None  # a new run meets afresh (a pool's process serves many)
+    _channel_ids.clear()  # and numbers its collectives afresh, whatever an earlier run left traced
+    _replica_run.begin_run()
+
+
+class _FailFast:
+    """torch_xla's replica function (pickle-able), run so that its failure ends the run."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return _replica_run.run_replica(global_rank(), world_size(), self.fn)
+
+
+def _run_replica_threads(
+    local_rank: int, local_world_size: int, fn: Callable[[], Any], initializer_fn: Callable[[int, int], None]
+) -> Dict[int, Any]:
+    """torch_xla's ``pjrt._run_thread_per_device``, each replica run by ``_FailFast``."""
+    begin_replica_run()
+    return _original_run_thread_per_device(local_rank, local_world_size, _FailFast(fn), initializer_fn)
+
+
+def _install_replica_threads() -> Callable[..., Dict[int, Any]]:
+    current = pjrt._run_thread_per_device
+    original = getattr(current, "torch_xla_original", current)
+    _run_replica_threads.torch_xla_original = original
+    pjrt._run_thread_per_device = _run_replica_threads
+    return original
+
+
+_original_run_thread_per_device = _install_replica_threads()
+
+
+# ---------------------------------------------------------------------------------------------
 # Host rendezvous between replica threads
 #
 # ``xm.rendezvous`` (and ``xm.mesh_reduce``, built on it) exchange host values through an
@@ -303,29 +360,20 @@ class _Exchange:
     """Replica threads of one process hand each other one value each, in rank order."""
 
     def __init__(self, num_replicas: int) -> None:
-        self.barrier = threading.Barrier(num_replicas)
+        self.meeting = _replica_run.Meeting(num_replicas)
         self.values: List[Any] = [None] * num_replicas
         self.tags: List[str] = [""] * num_replicas
 
     def all_gather(self, rank: int, value: Any, tag: str) -> List[Any]:
         self.values[rank] = value
         self.tags[rank] = tag
-        self._wait(rank, tag)
+        self.meeting.wait(rank, f"rendezvous '{tag}'", _sync_timeout_s, _sync_site())
         values, tags = list(self.values), list(self.tags)
-        self._wait(rank, tag)  # nobody writes the next exchange's value before all have read this one
+        # nobody writes the next exchange's value before all have read this one
+        self.meeting.wait(rank, f"rendezvous '{tag}' (reading)", _sync_timeout_s)
         if len(set(tags)) > 1:
             raise RuntimeError(_mismatch_message(rank, tags))
         return values
-
-    def _wait(self, rank: int, tag: str) -> None:
-        try:
-            self.barrier.wait(_sync_timeout_s)
-        except threading.BrokenBarrierError:
-            raise RuntimeError(
-                f"replica {rank} waited {_sync_timeout_s:.0f} s at rendezvous '{tag}' for the other "
-                "replicas. Every replica must reach the same rendezvous (wait_for_everyone, gather, "
-                "reduce, broadcast, saving a checkpoint) in the same order."
-            ) from None
 
 
 def _mismatch_message(rank: int, tags: List[str]) -> str:

@@ -21,6 +21,7 @@ form for scripts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import pickle
 import os
@@ -29,12 +30,12 @@ import threading
 import traceback
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
 
-from . import _xla
+from . import _replica_run, _xla
 
 ReplicaFn = Callable[..., Any]
 
@@ -263,6 +264,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
             return
         fn, args = request
         results: List[Any] = [None] * num_devices
+        _xla.begin_replica_run()
         threads = [
             threading.Thread(
                 target=_replica_main,
@@ -287,11 +289,11 @@ def _replica_main(
     conn: Connection,
     send_lock: threading.Lock,
 ) -> None:
-    try:
+    def call() -> None:
         _xla.enter_replica_thread(dev)
         results[rank] = _to_host(fn(rank, *args))
-    except BaseException as exc:  # noqa: BLE001 - any failure must end the run, not hang it
-        _report_and_exit(rank, exc, conn, send_lock)
+
+    _replica_run.run_replica(rank, len(results), call, functools.partial(_report_and_exit, conn, send_lock))
 
 
 def _to_host(x: Any) -> Any:
@@ -306,7 +308,9 @@ def _to_host(x: Any) -> Any:
     return tree_map(_to_host, x) if isinstance(x, (list, tuple, dict)) else x
 
 
-def _report_and_exit(rank: int, exc: BaseException, conn: Connection, send_lock: threading.Lock) -> None:
+def _report_and_exit(
+    conn: Connection, send_lock: threading.Lock, rank: int, world: int, exc: BaseException
+) -> NoReturn:
     """Send the first failure to the caller and end the process: the other replicas may be stuck
     inside a collective that will never complete, and no thread can be stopped from outside."""
     tb_text = "".join(traceback.format_exception(exc))

@@ -40,6 +40,10 @@ def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (),
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     out.with_suffix(".stderr").write_text(done.stderr)
     assert done.returncode == 0, f"accelerate launch failed (whole stderr: {out.with_suffix('.stderr')}):\n{done.stderr[-6000:]}"
+    # The replicas met at every boundary from the same place with the same program: what, when
+    # not, XLA:CPU's 10-s abort under load comes from.
+    for divergence in ("from different places", "compiled its own program"):
+        assert divergence not in done.stderr, done.stderr[done.stderr.index(divergence) - 200 :][:3000]
     record = json.loads(out.read_text())
     record["params"] = load_file(str(out.with_suffix(".safetensors")))
     return record

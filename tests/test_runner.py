@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from accel_xla_fsdp import DevicePool, ReplicaError, _xla, run_on_devices, seeded
+from accel_xla_fsdp._replica_run import ReplicaGone
 
 # A failing or dying run must end within this long (it ends in about a second when the runner works;
 # a hang would last for ever).
@@ -218,6 +219,24 @@ def test_replica_exception_ends_the_run_promptly_and_pool_recovers(pools) -> Non
     results, error, _ = _run_guarded(pool, gather_ranks, 2, "again")
     assert error is None, error
     torch.testing.assert_close(results[1]["gathered"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+
+
+def return_without_syncing_in_replica_1(rank: int) -> None:
+    if rank == 1:
+        return
+    torch.zeros(2).to(_xla.device()).add_(1)
+    _xla.sync()  # replica 0 meets the others here, and replica 1 has returned
+
+
+def test_replica_that_returned_ends_a_meeting_at_once(pools) -> None:
+    """Not the 600 s sync timeout: replica 0 learns at once that replica 1 will never come."""
+    pool = pools[2]
+    _warm(pool)
+    results, error, elapsed = _run_guarded(pool, return_without_syncing_in_replica_1)
+    assert isinstance(error, ReplicaGone), f"{type(error).__name__}: {error}"
+    assert "replica 0 waits at graph boundary 1 (xm.mark_step / torch_xla.sync) for replica(s) [1]" in str(error)
+    assert "which have returned" in str(error)
+    assert elapsed < PROMPT_S, f"the failure took {elapsed:.1f} s to surface"
 
 
 def test_run_on_devices_one_shot() -> None:

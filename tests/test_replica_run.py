@@ -1,0 +1,131 @@
+"""Where replica threads meet (``_replica_run``), with plain threads: no device needed.
+
+A meeting breaks at once when a replica it waits for has returned, and one that times out names
+the replicas that did not come and where they are; a replica returning just after a meeting
+completed breaks nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Callable, Dict, List
+
+import pytest
+
+from accel_xla_fsdp import _replica_run
+
+
+def run_replicas(fns: List[Callable[[int], object]]) -> Dict[int, object]:
+    """Each ``fns[rank](rank)`` as a replica thread; what each returned or raised, by rank."""
+    _replica_run.begin_run()
+    outcome: Dict[int, object] = {}
+
+    class Ended(Exception):
+        pass
+
+    def keep(rank: int, world: int, exc: BaseException) -> None:  # instead of ending the process
+        outcome[rank] = exc
+        raise Ended
+
+    def target(rank: int) -> None:
+        try:
+            outcome[rank] = _replica_run.run_replica(rank, len(fns), lambda: fns[rank](rank), keep)
+        except Ended:
+            pass
+
+    threads = [threading.Thread(target=target, args=(rank,), daemon=True) for rank in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a replica thread is still waiting"
+    return outcome
+
+
+def test_meeting_waiting_for_a_returned_replica_breaks_at_once() -> None:
+    meeting = _replica_run.Meeting(3)
+    started = time.monotonic()
+    outcome = run_replicas([
+        lambda rank: meeting.wait(rank, "the test's meeting", 60.0),
+        lambda rank: "returned without meeting",
+        lambda rank: meeting.wait(rank, "the test's meeting", 60.0),
+    ])
+    assert time.monotonic() - started < 5.0
+    assert outcome[1] == "returned without meeting"
+    for rank in (0, 2):
+        assert isinstance(outcome[rank], _replica_run.ReplicaGone), outcome[rank]
+        message = str(outcome[rank])
+        assert f"replica {rank} waits at the test's meeting for replica(s) [1], which have returned" in message
+        assert "replica 1 has returned." in message
+
+
+def test_replicas_meeting_from_different_places_are_said_once(capsys) -> None:
+    meeting = _replica_run.Meeting(3)
+    here, there = (("train.py", 10, "step"),), (("train.py", 20, "save"),)
+    run_replicas([lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (here, here)],
+                  lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (there, here)],
+                  lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (here, there)]])
+    said = capsys.readouterr().err
+    assert said.count("from different places") == 1, said
+    assert "replica(s) [0, 2] came from:\n  File \"train.py\", line 10, in step" in said
+    assert "replica(s) [1] came from:\n  File \"train.py\", line 20, in save" in said
+
+
+def sleeping_somewhere_recognizable(rank: int) -> None:
+    time.sleep(4.0)
+
+
+def test_meeting_that_times_out_names_the_missing_replica_and_where_it_is() -> None:
+    meeting = _replica_run.Meeting(2)
+    started = time.monotonic()
+    outcome = run_replicas([lambda rank: meeting.wait(rank, "graph boundary 7", 1.0), sleeping_somewhere_recognizable])
+    assert 1.0 <= time.monotonic() - started < 10.0
+    message = str(outcome[0])
+    assert isinstance(outcome[0], _replica_run.ReplicaGone), outcome[0]
+    assert message.startswith("replica 0 waited 1 s at graph boundary 7 for replica(s) [1].")
+    assert "replica 1 is at:" in message and "in sleeping_somewhere_recognizable" in message
+
+
+def test_replica_returning_right_after_a_meeting_breaks_nothing() -> None:
+    """Replica 0 comes last, completing the meeting, and returns at once: the others leave the
+    meeting normally, however late they wake."""
+    meeting = _replica_run.Meeting(3)
+
+    def come_last_then_return(rank: int) -> str:
+        time.sleep(0.05)
+        meeting.wait(rank, "the meeting", 30.0)
+        return "returned"
+
+    def meet(rank: int) -> str:
+        meeting.wait(rank, "the meeting", 30.0)
+        return "met"
+
+    for _ in range(20):
+        outcome = run_replicas([come_last_then_return, meet, meet])
+        assert outcome == {0: "returned", 1: "met", 2: "met"}, outcome
+
+
+def test_a_failing_replica_reaches_on_failure_with_its_exception() -> None:
+    def raise_it(rank: int) -> None:
+        raise KeyError("mine")
+
+    outcome = run_replicas([raise_it])
+    assert isinstance(outcome[0], KeyError)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_replica_frames_are_named_after_their_rank(rank: int) -> None:
+    """faulthandler prints frame names only: a replica's outermost one is ``replica_<rank>``."""
+
+    def frame_names(r: int) -> List[str]:
+        frame, names = sys._getframe(), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return names
+
+    outcome = run_replicas([frame_names] * (rank + 1))
+    assert f"replica_{rank}" in outcome[rank] and "replica_0" not in outcome[rank] or rank == 0, outcome[rank]
+    assert f"replica_{rank}" in outcome[rank]
