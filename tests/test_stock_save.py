@@ -1,0 +1,190 @@
+"""Saving the way stock scripts and guides do, through ``prepare()``: the unwrapped model's
+``save_pretrained`` without a state dict (every ``*_no_trainer.py`` example), ``get_state_dict``
+with Accelerate's meaning, ``save_model``, a call on the main process only, and PEFT LoRA
+adapters (trained exactly, saved both ways, loaded back with ``PeftModel.from_pretrained``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import LlamaForCausalLM
+
+import accelerate_train as script
+from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
+
+STEPS = 3
+BATCH = 8  # global batch, split between the replicas
+
+
+def tied_model() -> LlamaForCausalLM:
+    config = script.model_config()
+    config.tie_word_embeddings = True
+    with seeded(0):
+        model = LlamaForCausalLM(config)
+    model.tie_weights()
+    return model
+
+
+def global_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, script.VOCAB, (BATCH, script.SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def train(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> List[float]:
+    """A few steps on this replica's rows of each global batch; the loss over every replica."""
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[rank::world].to(acc.device)
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(acc.reduce(loss.detach(), "mean").item())
+    return losses
+
+
+# -- the whole model -----------------------------------------------------------------------------
+
+
+def stock_saves(rank: int, world: int, out: str, flatten: bool, tied: bool) -> Dict[str, Any]:
+    acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=flatten))
+    model = tied_model() if tied else script.build_model()
+    wanted = {name: value.dtype for name, value in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = acc.prepare(model, optimizer)
+    train(acc, model, optimizer, rank, world)
+    state = acc.get_state_dict(model)
+    acc.wait_for_everyone()
+    # transformers' examples, word for word but for the folder
+    acc.unwrap_model(model).save_pretrained(
+        f"{out}/stock", is_main_process=acc.is_main_process, save_function=acc.save
+    )
+    acc.save_model(model, f"{out}/save_model")
+    return {"wanted": wanted, "state": state, "full": model.full_state_dict()}
+
+
+@pytest.mark.parametrize("world,flatten,tied", [(2, False, False), (4, True, True)], ids=["2dev-per-param", "4dev-flat-tied"])
+def test_stock_save_pretrained_and_get_state_dict(pools, tmp_path: Path, world: int, flatten: bool, tied: bool) -> None:
+    results = pools[world].run(stock_saves, world, str(tmp_path), flatten, tied)
+    first = results[0]
+    wanted, state, full = first["wanted"], first["state"], first["full"]
+    # get_state_dict: the unwrapped model's state_dict() keys (tied names, no computed rotary
+    # buffer) and dtypes, on every replica
+    assert set(state) == set(wanted)
+    assert not any("inv_freq" in name for name in state)
+    assert all(state[name].dtype == dtype for name, dtype in wanted.items())
+    if tied:
+        assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    tied_names = {"lm_head.weight", "model.embed_tokens.weight"} if tied else set()
+    assert set(state) - set(full) <= tied_names, "full_state_dict has a tied weight under one name"
+    for name in set(state) & set(full):
+        assert torch.equal(state[name], full[name]), name
+    for other in results[1:]:
+        assert all(torch.equal(other["state"][name], value) for name, value in state.items())
+    # both folders load with plain from_pretrained and hold the trained weights
+    for folder in ("stock", "save_model"):
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / folder).state_dict()
+        assert set(loaded) == set(wanted), folder
+        for name, value in state.items():
+            assert torch.equal(loaded[name], value), f"{folder}: {name}"
+
+
+def main_only_save(rank: int, world: int, out: str) -> Dict[str, Any]:
+    acc = Accelerator()
+    model = acc.prepare(script.build_model())
+    start = time.monotonic()
+    try:
+        if acc.is_main_process:
+            acc.unwrap_model(model).save_pretrained(out)
+        acc.wait_for_everyone()
+    except RuntimeError as e:
+        return {"seconds": time.monotonic() - start, "error": str(e)}
+    return {"seconds": time.monotonic() - start, "error": None}
+
+
+def test_save_on_the_main_process_only_is_refused_at_once(pools, tmp_path: Path) -> None:
+    results = pools[2].run(main_only_save, 2, str(tmp_path / "model"))
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"replica {rank} went on"
+        assert "state_dict() of the whole model" in result["error"] and "every process" in result["error"]
+        assert result["seconds"] < 10, "refused at the rendezvous, not after a time-out"
+    assert not (tmp_path / "model" / "model.safetensors").exists()
+
+
+# -- PEFT LoRA ------------------------------------------------------------------------------------
+
+
+def lora_model() -> torch.nn.Module:
+    base = script.build_model()
+    with seeded(1):  # LoRA's A matrices are drawn at random: the same on every replica
+        return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def adapter_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lora_on_replicas(rank: int, world: int, out: str, flatten: bool) -> Dict[str, Any]:
+    acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=flatten))
+    model = lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = acc.prepare(model, optimizer)
+    losses = train(acc, model, optimizer, rank, world)
+    state = acc.get_state_dict(model)
+    unwrapped = acc.unwrap_model(model)
+    unwrapped.save_pretrained(f"{out}/guide", state_dict=state, is_main_process=acc.is_main_process)
+    unwrapped.save_pretrained(f"{out}/stock", is_main_process=acc.is_main_process)
+    held = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+    return {
+        "losses": losses,
+        "adapter": {n: v for n, v in state.items() if "lora_" in n},
+        "optimizer numel": sum(p.numel() for p in held),
+        "optimizer all trainable": all(p.requires_grad for p in held),
+    }
+
+
+def lora_reference() -> Dict[str, Any]:
+    model = lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "adapter": adapter_of(model), "model": model.eval()}
+
+
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Any]:
+    return lora_reference()
+
+
+@pytest.mark.parametrize("world,flatten", [(2, True), (4, False)], ids=["2dev-flat", "4dev-per-param"])
+def test_lora_trains_exactly_and_saves_its_adapter(pools, tmp_path: Path, reference, world: int, flatten: bool) -> None:
+    results = pools[world].run(lora_on_replicas, world, str(tmp_path), flatten)
+    first = results[0]
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
+    assert set(first["adapter"]) == set(reference["adapter"])
+    for name, value in reference["adapter"].items():
+        torch.testing.assert_close(first["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # the optimizer holds the adapter's shards only (padding aside)
+    adapter_numel = sum(v.numel() for v in reference["adapter"].values())
+    assert first["optimizer all trainable"]
+    assert adapter_numel / world <= first["optimizer numel"] < adapter_numel / world + 128 * len(reference["adapter"])
+    ids = global_batch(99)
+    with torch.no_grad():
+        expected = reference["model"](input_ids=ids).logits
+    for folder in ("guide", "stock"):
+        loaded = PeftModel.from_pretrained(script.build_model(), tmp_path / folder).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5, msg=folder)
+            merged = loaded.merge_and_unload()
+            torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4, msg=folder)
