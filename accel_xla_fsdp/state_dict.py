@@ -52,21 +52,15 @@ def named_units(root: Unit) -> List[Tuple[str, Unit]]:
 
 
 def full_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
-    """The unsharded state dict of the original module, on the CPU, under its own names.
+    """The unsharded state dict of the original module, on the CPU, under its own names: each
+    parameter once (a tied one under its first name), every buffer.
 
     Every replica must call it (it gathers); each gets the same dict. Parameters come back in
     their shards' dtype (float32 master weights under bf16 compute), buffers in their original one.
     """
-    with root.summon_full_params(writeback=False):
-        _xla.sync()  # one program gathers every unit; the copies below only transfer
-        state: Dict[str, torch.Tensor] = {}
-        for prefix, unit in named_units(root):
-            for group in unit.param_groups:
-                for slot in group.slots:
-                    state[full_name(prefix, slot.name)] = slot.param.detach().cpu()
+    state = {names[0]: value for names, value in _gathered_params(root)}
     for name, buf in root.named_buffers():
-        orig = buffer_original_dtype(root, name)
-        state[original_name(name)] = buf.detach().cpu().to(orig or buf.dtype)
+        state[original_name(name)] = _buffer_on_host(root, name, buf)
     return state
 
 
@@ -78,22 +72,30 @@ def model_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
     dtypes: the parameters' (their shards') and the buffers' own. Accelerate's ``get_state_dict``
     and a stock ``save_pretrained`` read this. Every replica must call it (it gathers).
     """
-    with root.summon_full_params(writeback=False):
-        _xla.sync()  # one program gathers every unit; the copies below only transfer
-        state: Dict[str, torch.Tensor] = {}
-        for prefix, unit in named_units(root):
-            for group in unit.param_groups:
-                for slot in group.slots:
-                    value = slot.param.detach().cpu()
-                    for name in (slot.name, *slot.aliases):
-                        state[full_name(prefix, name)] = value
+    state = {name: value for names, value in _gathered_params(root) for name in names}
     for name, module in root.named_modules():
         for local, buf in module._buffers.items():
             if buf is not None and local not in module._non_persistent_buffers_set:
                 wrapped = join(name, local)
-                orig = buffer_original_dtype(root, wrapped)
-                state[original_name(wrapped)] = buf.detach().cpu().to(orig or buf.dtype)
+                state[original_name(wrapped)] = _buffer_on_host(root, wrapped, buf)
     return state
+
+
+def _gathered_params(root: Unit) -> List[Tuple[Tuple[str, ...], torch.Tensor]]:
+    """Each full parameter on the CPU, with its names in the unwrapped model (tied: several)."""
+    with root.summon_full_params(writeback=False):
+        _xla.sync()  # one program gathers every unit; the copies below only transfer
+        return [
+            (tuple(full_name(prefix, name) for name in (slot.name, *slot.aliases)), slot.param.detach().cpu())
+            for prefix, unit in named_units(root)
+            for group in unit.param_groups
+            for slot in group.slots
+        ]
+
+
+def _buffer_on_host(root: Unit, name: str, buf: torch.Tensor) -> torch.Tensor:
+    """Buffer ``name`` (under the root) on the CPU, in the dtype it had before wrapping."""
+    return buf.detach().cpu().to(buffer_original_dtype(root, name) or buf.dtype)
 
 
 def buffer_original_dtype(root: Unit, name: str) -> Optional[torch.dtype]:
