@@ -367,7 +367,9 @@ class _Exchange:
     def all_gather(self, rank: int, value: Any, tag: str) -> List[Any]:
         self.values[rank] = value
         self.tags[rank] = tag
-        self.meeting.wait(rank, f"rendezvous '{tag}'", _sync_timeout_s, _sync_site())
+        # No call site here (unlike a graph boundary): Accelerate's main_process_first meets from
+        # two places by design. A rendezvous is told apart by its tag, checked below.
+        self.meeting.wait(rank, f"rendezvous '{tag}'", _sync_timeout_s)
         values, tags = list(self.values), list(self.tags)
         # nobody writes the next exchange's value before all have read this one
         self.meeting.wait(rank, f"rendezvous '{tag}' (reading)", _sync_timeout_s)
