@@ -4,7 +4,8 @@
     accelerate launch --config_file plugins/xla_fsdp_cpu.yaml scripts/finetune.py [--lora] [options]
     bash scripts/finetune.sh [options]    # both: stage 1 if runs/finetune/pretrained/ holds no model yet
 
-A stock Accelerate script (its one change is the ``Accelerator`` import) on 4 XLA:CPU devices.
+A stock Accelerate script on 4 XLA:CPU devices: its XLA lines are the ``Accelerator`` import and, for
+LoRA, the ``seeded`` block that draws the adapters' initial values the same on every run.
 
 Stage 1 (``--pretrain``) makes the pretrained checkpoint that no installed package ships: a
 ``LlamaForCausalLM`` (4 layers, hidden size 64, vocabulary 256: one UTF-8 byte is one token) from
@@ -87,7 +88,8 @@ def parse_args() -> argparse.Namespace:
     stage.add_argument("--full", dest="stage", action="store_const", const="full",
                        help="stage 2, fine-tuning every weight (the default)")
     stage.add_argument("--lora", dest="stage", action="store_const", const="lora",
-                       help="stage 2 with LoRA adapters on the pretrained model, frozen")
+                       help="stage 2, training LoRA adapters only (--lora-r, --lora-targets), "
+                       "the pretrained weights frozen")
     p.set_defaults(stage="full")
     p.add_argument("--pretrained", type=Path, default=Path("runs/finetune/pretrained"),
                    help="the pretrained model: written by --pretrain, fine-tuned otherwise")
@@ -113,9 +115,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="stage 2: continue from the newest checkpoint in --output-dir")
     p.add_argument("--overwrite", action="store_true",
-                   help="start again, replacing an earlier run's pretrained model (stage 1) or checkpoints (stage 2)")
-    p.add_argument("--prompt", default="2 January.", help="start of the greedy samples")
-    p.add_argument("--sample-tokens", type=int, default=54,
+                   help="start again, removing an earlier run's pretrained model (stage 1) or its "
+                   "checkpoints/, model/ and merged/ (stage 2)")
+    p.add_argument("--prompt", default="31 December.", help="start of the greedy samples")
+    p.add_argument("--sample-tokens", type=int, default=52,
                    help="bytes generated after the prompt (prompt and sample within --seq-len: the length trained on)")
     args = p.parse_args()
     args.lr = args.lr or LEARNING_RATES[args.stage]
@@ -451,7 +454,8 @@ def main() -> None:
     if accelerator.is_main_process:
         print(f"saved {saved}: {', '.join(sorted(p.name for p in saved.iterdir()))}")
         if args.stage != "pretrain":
-            plot_losses(history, f"tiny Llama, {setup}", args.output_dir / "loss.png")
+            title = f"tiny Llama, {STAGE_NAMES[args.stage]}, {accelerator.num_processes} replicas"
+            plot_losses(history, title, args.output_dir / "loss.png")
             print(f"loss curve: {args.output_dir / 'loss.png'}")
         report_reload(args, history, eval_set)
         print(f"wall time {time.perf_counter() - STARTED:.1f} s")
