@@ -348,6 +348,11 @@ class XlaFullyShardedDataParallel(nn.Module):
         """What it takes to reassemble (or reshard) this replica's ``state_dict()`` (torch_xla's form)."""
         return shard_metadata(self)
 
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: weights tied before wrapping stay tied (one parameter, sharded in one
+        unit). transformers' examples call ``model.tie_weights()`` after ``prepare()`` on XLA;
+        passed on to the wrapped model, it looks for the tied names among flat shards and fails."""
+
     # -- nn.Module plumbing -----------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:

@@ -9,6 +9,7 @@ are. The three factories below make the common ones.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Type, Union
 
 import torch.nn as nn
@@ -82,10 +83,31 @@ class TransformerBlockPolicy:
                 f"no module of class {sorted(missing)} in {type(model).__name__}; name block classes "
                 f"that it has: {present}"
             )
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+        if named:
+            return policy
+        # Blocks from _no_split_modules that share a parameter with the rest of the model (BERT's
+        # BertEmbeddings, whose word embedding is the tied MLM decoder) stay in the outer unit, as
+        # GPT-2's embeddings do: a tied parameter must live in one unit.
+        tied = {id(m) for m in model.modules() if type(m) in classes and _shares_parameters_outside(m, model)}
+        return functools.partial(_all_but, policy=policy, kept=frozenset(tied)) if tied else policy
 
     def __call__(self, module: nn.Module, recurse: bool, unwrapped_params: int) -> bool:
         raise TypeError("TransformerBlockPolicy must be bound to its model: pass it as auto_wrap_policy")
+
+
+def _all_but(module: nn.Module, recurse: bool, unwrapped_params: int, policy: Policy, kept: frozenset) -> bool:
+    """``policy``, except that the modules in ``kept`` (by id) are never wrapped themselves."""
+    if not recurse and id(module) in kept:
+        return False
+    return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params)
+
+
+def _shares_parameters_outside(block: nn.Module, model: nn.Module) -> bool:
+    """Whether a parameter of ``block`` is also registered somewhere in ``model`` outside it."""
+    inside = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
+    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return any(everywhere[key] > count for key, count in inside.items())
 
 
 def _no_split_modules(model: nn.Module) -> Tuple[str, ...]:

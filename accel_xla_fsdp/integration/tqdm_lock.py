@@ -1,0 +1,48 @@
+"""tqdm's ``thread_map`` in several replica threads at once (``datasets.load_dataset`` uses it).
+
+``tqdm.contrib.concurrent.ensure_lock`` sets a class-wide lock on entry and deletes it on exit when
+there was none before; two replica threads inside it at once delete it twice, and the second fails
+with ``AttributeError: type object 'tqdm' has no attribute '_lock'`` (seen with transformers'
+``run_clm_no_trainer.py`` on 4 XLA:CPU replicas, whose replicas each call ``load_dataset``). On
+replica threads the replicas take turns through it; elsewhere it is tqdm's own. The turn is held
+for the whole ``thread_map``, which holds no collective.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from .. import _xla
+
+_TURN = threading.RLock()
+_original: Optional[Callable[..., Any]] = None  # tqdm's own, once patched
+
+
+def install() -> None:
+    """Patch ``tqdm.contrib.concurrent.ensure_lock`` (once per process)."""
+    try:
+        from tqdm.contrib import concurrent
+    except ImportError:  # tqdm is optional here
+        return
+    global _original
+    if getattr(concurrent.ensure_lock, "accel_xla_fsdp", False):
+        return
+    _original = concurrent.ensure_lock
+    concurrent.ensure_lock = _taking_turns(_original)
+
+
+def _taking_turns(original: Callable[..., Any]) -> Callable[..., Any]:
+    @contextmanager
+    def ensure_lock(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        if not _xla.replicas_are_threads():
+            with original(*args, **kwargs) as lock:
+                yield lock
+            return
+        with _TURN, original(*args, **kwargs) as lock:
+            yield lock
+
+    ensure_lock.__doc__ = original.__doc__
+    ensure_lock.accel_xla_fsdp = True  # type: ignore[attr-defined]
+    return ensure_lock
