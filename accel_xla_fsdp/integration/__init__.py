@@ -4,8 +4,9 @@ Importing this package in the launcher process of ``accelerate launch`` passes t
 XLA FSDP settings on to the replicas (launch.py): a training script imports ``Accelerator`` from
 ``accel_xla_fsdp`` at module level. The import also makes stock scripts behave on XLA:CPU replica
 threads as with a process per replica: ``from_pretrained`` and ``set_seed`` (pretrained_loading.py,
-replica_seeds.py), logging (script_logging.py), tqdm's ``thread_map`` in ``load_dataset`` (tqdm_lock.py); and ``from_pretrained`` with
-``fsdp_cpu_ram_efficient_loading`` loads straight into shards (pretrained_loading.py).
+replica_seeds.py), logging (script_logging.py), tqdm's ``thread_map`` in ``load_dataset``
+(tqdm_lock.py); and ``from_pretrained`` with ``fsdp_cpu_ram_efficient_loading`` loads straight into
+shards (pretrained_loading.py).
 """
 
 from . import pretrained_loading, replica_seeds, script_logging, tqdm_lock
