@@ -7,6 +7,7 @@ A test whose replica fails ends its pool; the next test starts a fresh one.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Dict, Iterator
@@ -26,6 +27,18 @@ def pools() -> Iterator[Dict[int, DevicePool]]:
     yield made
     for pool in made.values():
         pool.close()
+
+
+@pytest.fixture(autouse=True)
+def restored_environment() -> Iterator[None]:
+    """Every test leaves the test process's environment as it found it. Code under test writes
+    to it by design (the plugin exports ``FSDP_CPU_RAM_EFFICIENT_LOADING`` for ``from_pretrained``,
+    as Accelerate's does), and a variable left behind changes what later tests load."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
