@@ -1,0 +1,63 @@
+"""The documentation: the generated settings table is what the plugin says, links resolve, and no
+page records facts of one machine (its paths) or of uncommitted code (``-dirty`` commits)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _config_table_script():
+    spec = importlib.util.spec_from_file_location("config_table", REPO / "scripts" / "config_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_page_holds_the_table_the_plugin_describes():
+    script = _config_table_script()
+    committed = script.PAGE.read_text()
+    assert committed == script.generated_page(), (
+        "docs/configuration.md's settings table differs from config_help(): run python scripts/config_table.py"
+    )
+
+
+def test_the_table_follows_the_plugin():
+    """What the check above compares: a changed help text changes the page."""
+    script = _config_table_script()
+    page = f"before\n{script.BEGIN}\nold\n{script.END}\nafter\n"
+    new = script.with_table(page, script.table({"fsdp_x": "FSDP_X (default True): Does x | y."}))
+    assert new == f"before\n{script.BEGIN}\n| `fsdp_config` key | environment | default | meaning |\n" \
+        f"| --- | --- | --- | --- |\n| `fsdp_x` | `FSDP_X` | True | Does x \\| y. |\n{script.END}\nafter\n"
+
+
+def test_no_machine_paths_or_uncommitted_commits():
+    found = [
+        f"{page.relative_to(REPO)}:{number}: {line.strip()}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if re.search(r"/work/|/root/|-dirty\b", line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def _anchors(page: Path) -> set:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            if "://" in target:
+                continue
+            linked = (page.parent / target) if target else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
+    assert not broken, "\n".join(broken)
