@@ -141,8 +141,6 @@ DEFAULT_SYNC_TIMEOUT_S = 600.0
 _graph_cut_callbacks: Tuple[Callable[[], None], ...] = ()
 _callbacks_lock = threading.Lock()
 _sync_timeout_s = DEFAULT_SYNC_TIMEOUT_S
-# Measurements only (scripts/first_step.py): ACCEL_XLA_FSDP_TURNS=0 lets replicas launch at will.
-_turns_enabled = os.environ.get("ACCEL_XLA_FSDP_TURNS", "1") != "0"
 
 
 def before_graph_cut(callback: Callable[[], None]) -> None:
@@ -201,7 +199,7 @@ def _replica_threads() -> int:
     under SPMD one thread drives every device. The replication count is read, not
     ``xr.world_size()``, which keeps its first answer for the whole process.
     """
-    if not _turns_enabled or xr.is_spmd() or threading.current_thread() is threading.main_thread():
+    if xr.is_spmd() or threading.current_thread() is threading.main_thread():
         return 0
     if torch_xla._XLAC._xla_get_replication_devices_count() < 2:
         return 0

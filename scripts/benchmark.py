@@ -61,7 +61,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import accel_xla_fsdp
 from accel_xla_fsdp import _xla, seeded, transformer_block_policy
-from accel_xla_fsdp.hlo_report import Collectives, ProgramReport, StepReport, ideal_bytes, modules_in, parse_dump
+from hlo_dump import Collectives, ProgramReport, StepReport, ideal_bytes, modules_in, parse_dump
 
 REPO = Path(__file__).resolve().parent.parent
 FLOAT_BYTES = 4
@@ -97,7 +97,7 @@ class Variant:
     label: str
     kind: str  # "replica": one thread per device (run_on_devices); "spmd": one thread, all devices
     device_counts: Tuple[int, ...] = (1, 2, 4)
-    main: bool = True  # in this script's default run; False: scripts/benchmark_collectives.py's
+    main: bool = True  # in this script's default run; False: only when named (docs/collectives.md's configurations)
 
 
 VARIANTS: Dict[str, Variant] = {
@@ -429,7 +429,7 @@ def run_spmd(num_devices: int, s: Settings, dump: Optional[Path], env: Dict[str,
 
 
 # ---------------------------------------------------------------------------------------------
-# The compiler's figures (accel_xla_fsdp.hlo_report reads the dump) and the ideal
+# The compiler's figures (hlo_dump.py reads the dump) and the ideal
 
 COLLECTIVE_KINDS = ("all_gathers", "reduce_scatters", "all_reduces")
 
@@ -440,7 +440,7 @@ def dump_modules(directory: Optional[Path]) -> set:
 
 @dataclass(frozen=True)
 class Ideal:
-    """``hlo_report.ideal_bytes`` for every device count: ``(parameters + gradients + AdamW state)
+    """``hlo_dump.ideal_bytes`` for every device count: ``(parameters + gradients + AdamW state)
     / N + activations + the largest wrapped unit's full parameters and gradients``, the activations
     taken from the plain model's program compiled on one device for the local batch."""
 
@@ -780,16 +780,17 @@ def versions() -> str:
 
 
 def library_version() -> str:
-    """Which accel_xla_fsdp was measured: its git commit (``-dirty``: with uncommitted changes)."""
+    """Which accel_xla_fsdp was measured: its git commit, and whether files differed from it (the
+    page is committed, so it names no path of the machine it ran on)."""
     where = Path(accel_xla_fsdp.__file__).resolve().parent
     try:
-        described = subprocess.run(
-            ["git", "-C", str(where), "describe", "--always", "--dirty", "--abbrev=10"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True).stdout
+
+        commit = git("rev-parse", "--short=10", "HEAD").strip()
+        return commit + (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        described = "not a git checkout"
-    return f"{described} ({where})"
+        return "not a git checkout"
 
 
 def write_markdown(report: Report, path: Path, plot_path: Path) -> None:
@@ -825,14 +826,14 @@ rounds over the whole table.
   for every program of the process (`CompileTime` metric; the steady step is compiled at step 2);
   both from the runs without a compiler dump when there are any (writing the dump slows compiling).
 - **MiB/device**: `Total bytes used` of the steady-state step program's buffer assignment.
-  **ideal** (`hlo_report.ideal_bytes`): (parameters + gradients + AdamW state) / N + activations +
+  **ideal** (`hlo_dump.ideal_bytes`): (parameters + gradients + AdamW state) / N + activations +
   the largest unit's full parameters and gradients; activations are the plain model's program on
   one device for the local batch, minus its parameters and AdamW state ({activation}).
   **/strict**: against the same ideal less the full gradients, i.e. with the activations taken as
   the unsharded program's bytes minus all its states, gradients included. The unsharded program
   never holds its full gradients (its peak, where backward begins, holds one: the output
   layer's), so this ideal credits activations with {strict_activation}, less than they take at
-  that peak, and no program of this model reaches it: see `hlo_report.ideal_bytes`.
+  that peak, and no program of this model reaches it: see `hlo_dump.ideal_bytes`.
 - **collectives**: in that program, with the bytes of their results per device.
 - **torch_xla-fsdp** is torch_xla's `XlaFullyShardedDataParallel`, which hangs on XLA:CPU devices
   as shipped: this benchmark replaces its collectives by the CPU form (channel ids, global device

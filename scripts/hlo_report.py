@@ -2,7 +2,7 @@
 
 Compiles one step of a model wrapped by this engine on each ``--devices`` count of XLA:CPU
 devices, and one step of the same model unwrapped on one device (for the ideal, see
-``accel_xla_fsdp.hlo_report.ideal_bytes``), and prints a markdown table.
+``hlo_dump.ideal_bytes``), and prints a markdown table.
 
     .venv/bin/python scripts/hlo_report.py --model llama --devices 2 4
     .venv/bin/python scripts/hlo_report.py --model blocks --layers 8 --no-barriers --devices 2
@@ -31,7 +31,7 @@ import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel, _xla, seeded, transformer_block_policy
-from accel_xla_fsdp.hlo_report import StepDumper, StepReport, TrainingStep, ideal_bytes
+from hlo_dump import StepDumper, StepReport, TrainingStep, ideal_bytes
 
 VOCAB = 256
 

@@ -15,6 +15,7 @@ from typing import Dict, Iterator
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helper modules import by name in replicas
+sys.path.append(str(Path(__file__).parents[1] / "scripts"))  # hlo_dump.py, shared with the benchmark
 
 from accel_xla_fsdp import DevicePool  # noqa: E402
 

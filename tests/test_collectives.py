@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, seeded
-from accel_xla_fsdp.hlo_report import ProgramReport, StepDumper, TrainingStep
+from hlo_dump import ProgramReport, StepDumper, TrainingStep
 from models import (
     Case, ResidualBlock, build, compute_loss, global_batch, local_slice, make_optimizer, train_fsdp,
     train_reference, wrap,

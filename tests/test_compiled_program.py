@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, seeded
-from accel_xla_fsdp.hlo_report import ProgramReport, StepDumper, TrainingStep
+from hlo_dump import ProgramReport, StepDumper, TrainingStep
 from models import ResidualBlock
 
 BLOCKS, WIDTH, LOCAL_BATCH = 4, 64, 2

@@ -6,7 +6,7 @@ optimized HLO. They are deterministic, so the tests assert them exactly as well 
 they stand for: a change in the engine or the compiler shows as a changed figure.
 
 * Sharding: 8 blocks of two 128x128 Linear, each block its own unit, AdamW, two rows per device,
-  so that parameters, gradients and Adam state dominate. ``ideal_bytes`` (hlo_report) is the
+  so that parameters, gradients and Adam state dominate. ``ideal_bytes`` (scripts/hlo_dump.py) is the
   bound: the states divided by N, plus the activations of the unsharded step, plus one unit's
   full parameters and gradients. At 4 devices: unflattened 0.697x the ideal and 0.303 of 1
   device, flattened 0.837x and 0.363. (Before the engine tied each gather to its unit's input on
@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, checkpoint_module, seeded
-from accel_xla_fsdp.hlo_report import OPTIMIZED, StepDumper, StepReport, TrainingStep, ideal_bytes
+from hlo_dump import OPTIMIZED, StepDumper, StepReport, TrainingStep, ideal_bytes
 from models import ResidualBlock
 
 FLOAT_BYTES = 4

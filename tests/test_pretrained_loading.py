@@ -3,7 +3,7 @@ replica's shards from the weight files, and gives the model a plain ``from_pretr
 
 The replicas run in a device process of their own with ``FSDP_CPU_RAM_EFFICIENT_LOADING=true``
 (the key is read process-wide, as Accelerate reads it); the reference is a plain
-``from_pretrained`` in the test process. The host-memory figure is scripts/pretrained_benchmark.py's.
+``from_pretrained`` in the test process. The host-memory figure is in docs/accelerate.md (a one-off measurement).
 """
 
 from __future__ import annotations

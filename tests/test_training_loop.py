@@ -23,7 +23,7 @@ import torch.nn as nn
 from accel_xla_fsdp import DevicePool
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla
-from accel_xla_fsdp.hlo_report import modules_in, parse_dump
+from hlo_dump import modules_in, parse_dump
 from models import (
     LLAMA_CONFIG, Case, NestedLinear, build, compute_loss, global_batch, local_slice, make_llama,
     make_optimizer, train_reference, wrap,

@@ -1,5 +1,9 @@
 """What the compiler made of one training step: collectives, barriers and bytes, read from its dump.
 
+A harness of the tests (test_memory.py, test_collectives.py, test_compiled_program.py,
+test_training_loop.py), the benchmark and hlo_report.py, which import it by name (tests/conftest.py
+puts scripts/ on the path); not part of the library.
+
 [Note: reading an XLA:CPU dump]
 With ``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`` every program the device process
 compiles leaves files ``DIR/module_<id>.<name>.<stage>``: the HLO as traced
@@ -36,9 +40,7 @@ from typing import Callable, List, NamedTuple, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from . import _xla
-from .fsdp import XlaFullyShardedDataParallel
-from .runner import DevicePool
+from accel_xla_fsdp import DevicePool, XlaFullyShardedDataParallel, _xla
 
 OPTIMIZED = "cpu_after_optimizations.txt"
 TRACED = "before_optimizations.txt"
