@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The test suite. Sets up .venv first when it is missing or stale. Arguments go to pytest.
+# --quick: only the quick tier (tests/quick_tier.py), for while code changes; CI runs it all.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/ensure_venv.sh

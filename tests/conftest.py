@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -18,8 +18,25 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helper modules import by 
 sys.path.append(str(Path(__file__).parents[1] / "scripts"))  # hlo_dump.py, shared with the benchmark
 
 from accel_xla_fsdp import DevicePool  # noqa: E402
+from quick_tier import select  # noqa: E402
 
 DEVICE_COUNTS = (1, 2, 4)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true", help="only the quick tier (tests/quick_tier.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    tests = Path(__file__).parent
+    ids = [Path(item.path).relative_to(tests).as_posix() + item.nodeid[item.nodeid.index("::"):] for item in items]
+    chosen, unmatched = select(ids)
+    if unmatched and len({item.path for item in items}) == len(list(tests.glob("test_*.py"))):
+        raise pytest.UsageError("tests/quick_tier.py names tests that do not exist: " + ", ".join(unmatched))
+    config.hook.pytest_deselected(items=[item for item, keep in zip(items, chosen) if not keep])
+    items[:] = [item for item, keep in zip(items, chosen) if keep]
 
 
 @pytest.fixture(scope="session")
