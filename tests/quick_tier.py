@@ -82,6 +82,7 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ("test_launch_habits.py::test_tied_from_pretrained_inside_main_loads_into_shards", "(the same launch)"),
     ("test_replica_datasets.py::test_replica_threads_take_turns_through_tqdm_lock", "integration/tqdm_lock.py"),
     ("test_docs.py", "the settings table and the docs' links"),
+    ("test_quick_tier.py", "this selection"),
 )
 
 
