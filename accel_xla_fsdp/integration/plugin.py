@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..checkpointing import checkpoint_module
-from ..fsdp import FlatShardKey, ParamInitFn, XlaFullyShardedDataParallel
+from ..construction import FlatShardKey, ParamInitFn
+from ..fsdp import XlaFullyShardedDataParallel
 from ..options import FsdpOptions, argument_name
 from ..wrap import Policy, size_policy, transformer_block_policy
 
