@@ -39,7 +39,7 @@ from ..fsdp import XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
 from . import checkpoints, launch, pretrained_loading, replica_threads, script_logging
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
-from .plugin import XlaFsdpPlugin, _PluginBase
+from .plugin import XlaFsdpPlugin
 
 logger = get_logger(__name__)
 
@@ -63,7 +63,7 @@ class Accelerator(accelerate.Accelerator):
     """
 
     def __init__(self, *args: Any, fsdp_plugin: Optional[Any] = None, mixed_precision: Optional[str] = None, **kwargs: Any) -> None:
-        if fsdp_plugin is not None and not isinstance(fsdp_plugin, _PluginBase):
+        if fsdp_plugin is not None and not isinstance(fsdp_plugin, XlaFsdpPlugin):
             raise TypeError(
                 f"fsdp_plugin must be an accel_xla_fsdp.XlaFsdpPlugin, got {type(fsdp_plugin).__name__} "
                 "(Accelerate's FullyShardedDataParallelPlugin is for GPUs)"
