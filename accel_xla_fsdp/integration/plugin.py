@@ -30,6 +30,9 @@ from ..wrap import Policy, size_policy, transformer_block_policy
 
 # Set by the launcher process of ``accelerate launch`` (launch.py) for the replicas it starts.
 CONFIG_FILE_ENV = "ACCEL_XLA_FSDP_CONFIG_FILE"
+# Set with it, to the same path, when the launcher has put that file's ``fsdp_config`` into the
+# settings' environment variables (``settings_environment``): the replicas need not read the file.
+CONFIG_EXPORTED_ENV = "ACCEL_XLA_FSDP_CONFIG_EXPORTED"
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,7 @@ def _config_file_settings() -> Dict[str, Any]:
     Parsed once per process and file version: every replica thread of a process, every plugin
     and every ``configured()`` call read the same parse."""
     path = os.environ.get(CONFIG_FILE_ENV)
-    if not path:
+    if not path or os.environ.get(CONFIG_EXPORTED_ENV) == path:
         return {}
     try:
         stat = os.stat(path)
@@ -348,6 +351,28 @@ def _parsed_config_section(path: str, mtime_ns: Optional[int], size: Optional[in
 
     section = load_config_from_file(path).fsdp_config or {}
     return check_config_section(section, source=path)
+
+
+def settings_environment(section: Mapping[str, Any]) -> Dict[str, str]:
+    """A checked ``fsdp_config`` section as the settings' environment variables, each value parsed
+    (a bad one stops here) and written as its parser reads it back. The launcher exports them, as
+    Accelerate's launcher does for its own FSDP, under a variable the user has not set already."""
+    env = {}
+    for setting in SETTINGS:
+        value = section.get(setting.key)
+        if value is not None:
+            env[setting.env] = _as_text(setting.parse(setting.key, value))
+    return env
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(value)  # class names
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return str(value)
 
 
 def configured(name: str) -> Any:
