@@ -1,9 +1,12 @@
 """The package's shape: its import graph flows one way, the plugin's engine fields are
-``FsdpOptions``' fields, and auto-wrapped units share their parent's options object."""
+``FsdpOptions``' fields, the launch config reaches the replicas as environment variables, and
+auto-wrapped units share their parent's options object."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 import typing
@@ -15,7 +18,8 @@ from typing import Any, Dict, Optional
 import torch.nn as nn
 
 from accel_xla_fsdp import FsdpOptions, XlaFullyShardedDataParallel, transformer_block_policy
-from accel_xla_fsdp.integration.plugin import NOT_CONFIGURABLE, XlaFsdpPlugin
+from accel_xla_fsdp.integration import launch
+from accel_xla_fsdp.integration.plugin import CONFIG_EXPORTED_ENV, CONFIG_FILE_ENV, NOT_CONFIGURABLE, XlaFsdpPlugin
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "import_graph.py"
 
@@ -54,6 +58,31 @@ def test_plugin_engine_fields_are_the_configurable_options() -> None:
         assert plugin_types[f.name] == Optional[option_types[f.name]], f.name
     wrap = [f.name for f in fields(XlaFsdpPlugin) if "option" not in f.metadata]
     assert [f.name for f in fields(XlaFsdpPlugin)] == wrap + expected  # positional order: wrap settings first
+
+
+def test_launcher_exports_the_config_as_the_settings_variables(tmp_path: Path, monkeypatch) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "distributed_type: XLA\nnum_processes: 2\nfsdp_config:\n"
+        "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 1e3\n"
+        "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n  fsdp_backward_prefetch: BACKWARD_PRE\n"
+        "  xla_fsdp_buffer_dtype: bfloat16\n  xla_fsdp_reduce_scatter_bucket_size_mb: 0.5\n"
+        "  xla_fsdp_flatten_parameters: false\n"
+    )
+    env = launch.launch_environment(["--config_file", str(config), "train.py"])
+    assert env[CONFIG_EXPORTED_ENV] == env[CONFIG_FILE_ENV] == str(config.resolve())
+    assert env["FSDP_MIN_NUM_PARAMS"] == "1000" and env["FSDP_RESHARD_AFTER_FORWARD"] == "false"
+    for name in list(os.environ):
+        if name.startswith(("FSDP_", "XLA_FSDP_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv(CONFIG_FILE_ENV, env[CONFIG_FILE_ENV])
+    from_file = dataclasses.asdict(XlaFsdpPlugin())  # no marker: read from the file
+    for name, value in env.items():
+        if name.startswith(("FSDP_", "XLA_FSDP_", "ACCEL_XLA_FSDP_CONFIG")):
+            monkeypatch.setenv(name, value)
+    config.write_text("distributed_type: XLA\nfsdp_config:\n  fsdp_min_num_params: [not read]\n")
+    assert dataclasses.asdict(XlaFsdpPlugin()) == from_file  # from the variables alone
+    assert from_file["min_num_params"] == 1000 and from_file["reshard_after_forward"] is False
 
 
 class _Block(nn.Module):
