@@ -1,27 +1,33 @@
 """``XlaFullyShardedDataParallel``: the module wrapper and its user-facing methods.
 
 One wrapper is one *unit*: it owns the parameters of its module that no inner unit owns, as
-``ShardedParamGroup``s (param_group.py). The outermost wrapper is the *root*: when it is built it
-gives every unit inside it one ``RootState`` (hooks.py), which holds what a step shares. What
-happens in forward and backward is in hooks.py; settings are in options.py; state dicts and shard
-metadata in state_dict.py.
+``ShardedParamGroup``s (param_group.py), built by construction.py. Its runtime state is a
+``UnitState`` (unit_state.py, ``wrapper.unit_state``), whose methods are the forward and backward
+hooks. The outermost wrapper is the *root*: when it is built it makes the ``RootState`` that holds
+every unit with its name, which state dicts (state_dict.py), checkpoints and hooks read. Settings
+are in options.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _xla, hooks
-from .collectives import GradBucket, gather_groups
+from . import _xla
+from .construction import (
+    FlatShardKey,
+    ParamInitFn,
+    ShardSource,
+    build_groups,
+    check_no_meta_buffers,
+    materialize_meta,
+    move_buffers,
+)
 from .linear import patch_linear_modules
 from .options import (
     CONSTRUCTION_ARGUMENTS,
@@ -30,39 +36,15 @@ from .options import (
     ShardingGroup,
     check_debug_arguments,
     options_help,
+    sharing_options,
     wrapper_signature,
 )
-from .param_group import ParamSlot, ShardedParamGroup, ShardSpec, free_groups, shard_param_name
-from .state_dict import WRAPPED_MODULE, full_state_dict, model_state_dict, named_units, shard_metadata
+from .param_group import ShardedParamGroup
+from .state_dict import WRAPPED_MODULE, full_state_dict, model_state_dict, shard_metadata
+from .unit_state import STATE_ATTRIBUTE, RootState, TrainingState, UnitState, holding_full_params
 from .wrap import recursive_wrap, resolve_policy
 
-
-class _ParamRegistry:
-    """Every full parameter a unit manages, and every parameter a unit replaced, with its name:
-    to catch an optimizer built before wrapping, and a parameter claimed by two units.
-
-    Keyed by identity: weak containers compare their keys with ``==``, elementwise for tensors.
-    """
-
-    def __init__(self) -> None:
-        self._names: Dict[int, Tuple[weakref.ref[nn.Parameter], str]] = {}
-
-    def add(self, param: nn.Parameter, name: str) -> None:
-        key = id(param)
-        self._names[key] = (weakref.ref(param), name)
-        weakref.finalize(param, self._names.pop, key, None)
-
-    def name_of(self, param: torch.Tensor) -> Optional[str]:
-        entry = self._names.get(id(param))
-        return entry[1] if entry is not None and entry[0]() is param else None
-
-
-_MANAGED_PARAMS = _ParamRegistry()
-_SOURCE_READS = threading.Lock()
 _WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-ParamInitFn = Callable[[nn.Module], None]
-FlatShardKey = Callable[[nn.Parameter], Hashable]
 
 
 class XlaFullyShardedDataParallel(nn.Module):
@@ -94,107 +76,74 @@ class XlaFullyShardedDataParallel(nn.Module):
             raise ValueError("auto_wrapper_callable needs an auto_wrap_policy to say which modules to wrap")
         if policy is not None:
             _check_not_wrapped_inside(module)
-            # Auto-wrapped units get the same arguments (torch_xla's names), hence the same options.
+            # Auto-wrapped units get the same arguments (torch_xla's names, as torch_xla passes them
+            # to an auto_wrapper_callable), and share this options object when they arrive unchanged.
             unit_kwargs = dict(options.as_arguments(), param_init_fn=param_init_fn, flat_shard_key=flat_shard_key)
-            recursive_wrap(module, resolve_policy(policy, module), wrapper_fn or XlaFullyShardedDataParallel, unit_kwargs)
+            with sharing_options(options):
+                wrapper = wrapper_fn or XlaFullyShardedDataParallel
+                recursive_wrap(module, resolve_policy(policy, module), wrapper, unit_kwargs)
         if source is None:
-            _materialize_meta(module, param_init_fn)
+            materialize_meta(module, param_init_fn)
         else:
-            _check_no_meta_buffers(module)
+            check_no_meta_buffers(module)
         self._init_unit(module, options, source, flat_shard_key)
 
     # -- construction -----------------------------------------------------------------------
 
     def _init_unit(
-        self, module: nn.Module, options: FsdpOptions, source: Optional[ShardSource], flat_shard_key: Optional[FlatShardKey]
+        self, module: nn.Module, options: FsdpOptions, source: Optional[ShardSource],
+        flat_shard_key: Optional[FlatShardKey],
     ) -> None:
-        self.options = options
-        self.sharding = ShardingGroup.for_replica(options)
-        self.training_state = hooks.TrainingState.IDLE
-        self.summoned = False
         if options.use_xla_patched_linear:
             patch_linear_modules(module)
         self._fsdp_wrapped_module = module
         _WRAPPED_MODULES.add(module)
         device = _xla.device()
-        owned = _owned_parameters(module)
-        _check_devices(module, owned, device)
-        self.param_groups = self._build_groups(owned, device, source, flat_shard_key)
-        self.grad_bucket = GradBucket(options.bucket_bytes)
-        for group in self.param_groups:
+        sharding = ShardingGroup.for_replica(options)
+        groups = build_groups(module, options, sharding, device, source, flat_shard_key)
+        for group in groups:
             self.register_parameter(group.spec.shard_name, group.shard)
-            hooks.ensure_grad_hooks(self, group)
-        self.buffer_orig_dtypes = _move_buffers(module, device, options.buffer_dtype)
-        hooks.install_forward_hooks(self)
+        buffer_orig_dtypes = move_buffers(module, device, options.buffer_dtype)
+        state = UnitState(self, module, options, sharding, groups, buffer_orig_dtypes)
+        setattr(self, STATE_ATTRIBUTE, state)
+        state.install_hooks()
         module._register_state_dict_hook(functools.partial(_whole_model_state_dict, weakref.ref(self)))
         self._become_root()
         if options.execute_sharding_on_init:
             _xla.sync()
 
     def _become_root(self) -> None:
-        """Give every unit inside this one a shared root state; an outer wrapper built later
-        takes over (units are built innermost first)."""
-        state = hooks.RootState([u for _, u in named_units(self)])
-        for unit in state.units:
-            unit.root_state = state
+        """Make the root state of every unit inside this one, with their names; an outer wrapper
+        built later takes over (units are built innermost first)."""
+        named = []
         for name, module in self.named_modules():
-            if not isinstance(module, XlaFullyShardedDataParallel) and _holds_units(module):
+            if isinstance(module, XlaFullyShardedDataParallel):
+                named.append((name, module.unit_state))
+            elif _holds_units(module):
                 module.named_modules = functools.partial(_named_modules_as_unwrapped, module)
+        RootState(named)
+
+    # -- the unit's state, as torch_xla's wrapper shows it ----------------------------------
+
+    @property
+    def options(self) -> FsdpOptions:
+        return self.unit_state.options
+
+    @property
+    def sharding(self) -> ShardingGroup:
+        return self.unit_state.sharding
+
+    @property
+    def param_groups(self) -> List[ShardedParamGroup]:
+        return self.unit_state.param_groups
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self.unit_state.training_state
 
     @property
     def is_root(self) -> bool:
-        return self.root_state.root is self
-
-    def _build_groups(
-        self, owned: _OwnedParams, device: torch.device, source: Optional[ShardSource], flat_shard_key: Optional[FlatShardKey]
-    ) -> List[ShardedParamGroup]:
-        full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
-        named = [(full[id(p)], p, owners[0][2]) for p, owners in owned]
-        aliases = {id(full[id(p)]): tuple(o[2] for o in owners[1:]) for p, owners in owned}
-        if not self.options.flatten_parameters:
-            groups = [self._make_group([entry], None, device) for entry in named]
-        else:
-            groups = [self._make_group(part, i, device) for i, part in enumerate(_flat_parts(named, flat_shard_key))]
-        for group in groups:
-            for slot in group.slots:
-                slot.aliases = aliases[id(slot.param)]
-        if source is not None:
-            orig_of = {id(full): orig for full, orig, _ in named}
-            for group in groups:
-                # One replica at a time stages a shard in host memory (on XLA:CPU the replicas
-                # share one host, and the device buffers live there too).
-                with _SOURCE_READS:
-                    group.shard.data = group.local_values(lambda slot, a, b: source.read(orig_of[id(slot.param)], a, b)).to(device)
-                    _return_freed_host_memory()
-        return groups
-
-    def _make_group(
-        self, entries: List[Tuple[nn.Parameter, nn.Parameter, str]], flat_index: Optional[int], device: torch.device
-    ) -> ShardedParamGroup:
-        """A group of (full parameter, original parameter, name) entries; flat if ``flat_index``."""
-        slots, offset = [], 0
-        for full, orig, name in entries:
-            slots.append(ParamSlot(full, name, orig.shape, offset))
-            offset += orig.numel()
-        if flat_index is None:
-            full, orig, name = entries[0]
-            orig_name = f"{WRAPPED_MODULE}.{name}"
-            spec = ShardSpec(
-                shard_param_name(orig_name), orig_name, orig.shape,
-                dim0=self.options.shard_param_on_dim_0 and orig.dim() > 0,
-            )
-        else:
-            _check_same_dtype(entries)
-            orig_name = f"{WRAPPED_MODULE}.flat_param_{flat_index}"
-            spec = ShardSpec(
-                shard_param_name(orig_name), orig_name, torch.Size([offset]), dim0=False,
-                flat_names=tuple(name for _, _, name in entries),
-                flat_shapes=tuple(orig.shape for _, orig, _ in entries),
-            )
-        return ShardedParamGroup(
-            slots, [orig.detach() for _, orig, _ in entries], spec, self.options, self.sharding,
-            device, requires_grad=entries[0][1].requires_grad,
-        )
+        return self.unit_state.is_root
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -204,7 +153,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # The wrapped module's hooks gather and free (hooks.py): a direct call of the wrapped
+        # The wrapped module's hooks gather and free (unit_state.py): a direct call of the wrapped
         # module, as generate() makes, gets the same treatment.
         if torch.is_inference_mode_enabled():
             # torch_xla 2.9 cannot run nn.Linear under inference_mode ("Cannot set
@@ -212,39 +161,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             with torch.inference_mode(False), torch.no_grad():
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
-
-    @property
-    def params_gathered(self) -> bool:
-        return all(g.gathered for g in self.param_groups)
-
-    def gather_params(
-        self,
-        deps: Optional[List[torch.Tensor]],
-        dtype: Optional[torch.dtype] = None,
-        after_collectives: Sequence[torch.Tensor] = (),
-    ) -> None:
-        """Gather every group of this unit (in one all-gather with ``coalesce_all_gather_ops``);
-        with ``deps``, not before those are computed. ``after_collectives``: more dependencies,
-        outputs of collectives (reduced gradients), which the barrier takes too; on the CPU the
-        gather follows them anyway (XLA orders collectives among themselves), so the ordering
-        zero, traced from each dependency, leaves them out."""
-        pending = [g for g in self.param_groups if not g.gathered]
-        if not pending:
-            return
-        with torch.no_grad():
-            zero = None
-            if deps is not None:
-                _xla.optimization_barrier_(self._shards() + deps + list(after_collectives))
-                zero = _xla.ordering_zero(deps)
-            gather_groups(pending, self.options.coalesce_all_gather_ops, deps is not None, zero, dtype)
-
-    def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
-        free_groups(self.param_groups)
-        if deps is not None:
-            _xla.optimization_barrier_(self._shards() + deps)
-
-    def _shards(self) -> List[torch.Tensor]:
-        return [g.shard for g in self.param_groups]
 
     # -- whole-model operations -------------------------------------------------------------
 
@@ -288,19 +204,20 @@ class XlaFullyShardedDataParallel(nn.Module):
         the reduce-scatters of every micro-step but the last. Enter on the root.
         """
         self._check_root("no_sync")
-        previous = self.root_state.sync_gradients
-        self.root_state.sync_gradients = False
+        root_state = self.unit_state.root_state
+        previous = root_state.sync_gradients
+        root_state.sync_gradients = False
         try:
             yield
         finally:
-            self.root_state.sync_gradients = previous
+            root_state.sync_gradients = previous
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """PyTorch FSDP2's switch (Accelerate uses it for gradient accumulation): ``False`` is
         ``no_sync()`` until switched back. Applies to the whole model (``recurse`` is accepted
         for FSDP2's signature; a part of a model cannot skip its reduction alone here)."""
         self._check_root("set_requires_gradient_sync")
-        self.root_state.sync_gradients = bool(requires_gradient_sync)
+        self.unit_state.root_state.sync_gradients = bool(requires_gradient_sync)
 
     @contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
@@ -311,8 +228,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         copied back into the shards when it ends. ``recurse=False``: this unit only. Enter on
         every replica.
         """
-        units = [u for _, u in named_units(self)] if recurse else [self]
-        with _holding_full_params(units, in_shard_dtype=True, writeback=writeback):
+        units = [u for _, u in self.unit_state.named_units()] if recurse else [self.unit_state]
+        with holding_full_params(units, in_shard_dtype=True, writeback=writeback):
             yield
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -326,8 +243,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         every replica.
         """
         self._check_root("generate")
-        units = [u for _, u in named_units(self)]
-        with _holding_full_params(units, in_shard_dtype=False, writeback=False):
+        units = [u for _, u in self.unit_state.named_units()]
+        with holding_full_params(units, in_shard_dtype=False, writeback=False):
             _xla.sync()
             return self.module.generate(*args, **kwargs)
 
@@ -337,22 +254,21 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         Every replica must call it (it gathers); each gets the same dict.
         """
-        return full_state_dict(self)
+        return full_state_dict(self.unit_state)
 
     def model_state_dict(self) -> Dict[str, torch.Tensor]:
         """What the unwrapped module's ``state_dict()`` would hold, with full tensors on the CPU:
         tied weights under each name, persistent buffers only. Every replica must call it."""
-        return model_state_dict(self)
+        return model_state_dict(self.unit_state)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What it takes to reassemble (or reshard) this replica's ``state_dict()`` (torch_xla's form)."""
-        return shard_metadata(self)
+        return shard_metadata(self.unit_state)
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: weights tied before wrapping stay tied (one parameter, sharded in one
         unit). transformers' examples call ``model.tie_weights()`` after ``prepare()`` on XLA;
         passed on to the wrapped model, it looks for the tied names among flat shards and fails."""
-
     # -- nn.Module plumbing -----------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
@@ -369,31 +285,16 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.sharding
-        layout = "flat" if self.options.flatten_parameters else ("dim0" if self.options.shard_param_on_dim_0 else "per-parameter")
-        return f"rank={s.rank}, world_size={s.world_size}, groups={len(self.param_groups)} ({layout}), compute_dtype={self.options.compute_dtype}"
+        options = self.options
+        layout = "dim0" if options.shard_param_on_dim_0 else "per-parameter"
+        layout = "flat" if options.flatten_parameters else layout
+        return (
+            f"rank={s.rank}, world_size={s.world_size}, groups={len(self.param_groups)} ({layout}), "
+            f"compute_dtype={options.compute_dtype}"
+        )
 
 
 XlaFullyShardedDataParallel.__init__.__signature__ = wrapper_signature()  # type: ignore[attr-defined]
-
-
-@contextmanager
-def _holding_full_params(units: List[XlaFullyShardedDataParallel], in_shard_dtype: bool, writeback: bool) -> Iterator[None]:
-    """``units`` gathered (no gradients) until the block ends: forwards inside do not free them
-    (``summoned``), nor does a graph cut. Then written back into the shards if asked, and freed."""
-    with torch.no_grad():
-        for unit in units:
-            dtype = unit.param_groups[0].shard.dtype if in_shard_dtype and unit.param_groups else None
-            unit.gather_params(None, dtype=dtype)
-            unit.summoned = True
-        try:
-            yield
-        finally:
-            for unit in units:
-                unit.summoned = False
-                if writeback:
-                    for group in unit.param_groups:
-                        group.write_back()
-                unit.free_params(None)
 
 
 def _holds_units(module: nn.Module) -> bool:
@@ -427,7 +328,7 @@ def _whole_model_state_dict(
     if prefix or unit is None or not unit.is_root:
         return None
     _xla.agree("state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)")
-    return model_state_dict(unit)
+    return model_state_dict(unit.unit_state)
 
 
 def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -440,100 +341,6 @@ def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, An
             f"{', '.join(name for name, _ in CONSTRUCTION_ARGUMENTS + EXTENSION_ARGUMENTS)}."
         ) from None
     return dict(bound.arguments)
-
-
-@runtime_checkable
-class ShardSource(Protocol):
-    """A ``param_init_fn`` that fills each replica's shards itself, reading only their slices
-    (``accel_xla_fsdp.pretrained_weights``), instead of materializing whole modules."""
-
-    def remember_names(self, model: nn.Module) -> None:
-        """Called by the outermost wrapper before any wrapping, with the model as built."""
-
-    def read(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of ``param`` (as built, possibly on meta) flattened."""
-
-
-def _materialize_meta(module: nn.Module, param_init_fn: Optional[ParamInitFn]) -> None:
-    """Give real tensors to this unit's parameters and buffers that are on the meta device.
-
-    ``param_init_fn(submodule)`` is called for each submodule outside inner units that holds
-    meta tensors itself (as PyTorch FSDP does); without one, the submodule is made on the CPU with
-    ``to_empty`` and its ``reset_parameters()`` (torch_xla's default, per submodule).
-    """
-    for prefix, m in _modules_outside_units(module):
-        if not _has_meta_tensors(m):
-            continue
-        if param_init_fn is not None:
-            param_init_fn(m)
-        elif callable(getattr(m, "reset_parameters", None)):
-            m.to_empty(device="cpu", recurse=False)
-            m.reset_parameters()
-        else:
-            raise ValueError(
-                f"'{prefix or type(module).__name__}' ({type(m).__name__}) has tensors on the meta device "
-                "and no reset_parameters() to initialize them: pass param_init_fn (for instance one "
-                "that loads pretrained weights), or build the module on the CPU"
-            )
-    for prefix, m in _modules_outside_units(module):
-        if _has_meta_tensors(m):
-            name = next(n for n, t in _direct_tensors(m) if t.is_meta)
-            raise ValueError(f"param_init_fn left '{prefix}{name}' on the meta device: it must materialize it")
-
-
-@functools.cache
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def _return_freed_host_memory() -> None:
-    """Give freed heap memory back to the system (glibc only).
-
-    A host-to-device transfer (torch_xla copies the tensor on its way to the device) and the
-    staging tensors are freed into each replica thread's malloc arena, which glibc keeps: loading
-    a 1.08 GB model into 4 replicas left 0.85 GB of it resident (measured), on top of the shards.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _check_no_meta_buffers(module: nn.Module) -> None:
-    for prefix, m in _modules_outside_units(module):
-        for name, buf in m._buffers.items():
-            if buf is not None and buf.is_meta:
-                raise ValueError(
-                    f"buffer '{prefix}{name}' is on the meta device, and pretrained weights hold no buffers: "
-                    "build the model with accelerate.init_empty_weights(), which keeps buffers real"
-                )
-
-
-def _direct_tensors(m: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    return [(n, t) for n, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None]
-
-
-def _has_meta_tensors(m: nn.Module) -> bool:
-    return any(t.is_meta for _, t in _direct_tensors(m))
-
-
-# ---------------------------------------------------------------------------------------------
-# Construction helpers
-
-_OwnedParams = List[Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]]
-_Entry = Tuple[nn.Parameter, nn.Parameter, str]  # full parameter, original parameter, name
-
-
-def _flat_parts(named: List[_Entry], key: Optional[FlatShardKey]) -> List[List[_Entry]]:
-    """A unit's parameters split into the parts flattened together: trainable ones before frozen
-    ones, and within each, apart by ``key`` (in order of first appearance)."""
-    parts: Dict[Tuple[bool, Hashable], List[_Entry]] = {}
-    for entry in named:
-        orig = entry[1]
-        parts.setdefault((not orig.requires_grad, key(orig) if key is not None else None), []).append(entry)
-    return [part for _, part in sorted(parts.items(), key=lambda item: item[0][0])]  # stable: trainable first
 
 
 def _check_wrappable(module: nn.Module) -> None:
@@ -561,111 +368,3 @@ def _check_not_wrapped_inside(module: nn.Module) -> None:
                 f"'{name}' is already wrapped; with auto_wrap_policy pass the unwrapped model "
                 "(or wrap by hand, inner modules first, without a policy)"
             )
-
-
-def _modules_outside_units(root: nn.Module, prefix: str = "") -> Iterator[Tuple[str, nn.Module]]:
-    """``root`` and its submodules, except those inside (inner) FSDP units."""
-    yield prefix, root
-    for name, child in root.named_children():
-        if not isinstance(child, XlaFullyShardedDataParallel):
-            yield from _modules_outside_units(child, f"{prefix}{name}.")
-
-
-def _owned_parameters(module: nn.Module) -> _OwnedParams:
-    """The parameters this unit owns, each with every (module, attribute, name) that holds it."""
-    found: Dict[int, Tuple[nn.Parameter, List[Tuple[nn.Module, str, str]]]] = {}
-    for prefix, m in _modules_outside_units(module):
-        for attr, p in m._parameters.items():
-            if p is None:
-                continue
-            owner = _MANAGED_PARAMS.name_of(p)
-            if owner is not None:
-                raise ValueError(
-                    f"parameter '{prefix}{attr}' is also used by '{owner}', which "
-                    "another wrapper owns. A shared (tied) parameter must be used within one unit: "
-                    "wrap the modules that share it together, or leave them to the outer wrapper."
-                )
-            found.setdefault(id(p), (p, []))[1].append((m, attr, f"{prefix}{attr}"))
-    return list(found.values())
-
-
-def _check_devices(module: nn.Module, owned: _OwnedParams, device: torch.device) -> None:
-    seen: Dict[str, str] = {}
-    buffers = [(f"{prefix}{n}", b) for prefix, m in _modules_outside_units(module) for n, b in m._buffers.items() if b is not None]
-    tensors = [(owners[0][2], p) for p, owners in owned] + buffers
-    for name, t in tensors:
-        if not t.is_meta:  # filled by a param_init_fn that reads shards (ShardSource)
-            seen.setdefault(str(t.device), name)
-    if len(seen) > 1:
-        listing = ", ".join(f"'{n}' on {d}" for d, n in seen.items())
-        raise ValueError(
-            f"parameters and buffers are on different devices ({listing}); move the whole "
-            "module to one device (the CPU, or this replica's XLA device) before wrapping"
-        )
-    for dev, name in seen.items():
-        if _xla.is_xla_device(torch.device(dev)) and torch.device(dev) != device:
-            raise ValueError(
-                f"'{name}' is on {dev}, but this replica's device is {device}: build the model on "
-                "the CPU, or move it to this replica's device, before wrapping"
-            )
-    for p, owners in owned:
-        if not torch.is_floating_point(p):
-            raise ValueError(f"parameter '{owners[0][2]}' has dtype {p.dtype}; only floating-point parameters can be sharded")
-
-
-def _check_same_dtype(entries: Sequence[Tuple[nn.Parameter, nn.Parameter, str]]) -> None:
-    dtypes = {orig.dtype: name for _, orig, name in entries}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"'{n}' is {d}" for d, n in dtypes.items())
-        raise ValueError(
-            f"flatten_parameters=True needs one dtype per unit, but {listing}; cast the module to "
-            "one dtype or use flatten_parameters=False"
-        )
-
-
-def _full_param_for(
-    orig: nn.Parameter, owners: List[Tuple[nn.Module, str, str]], device: torch.device
-) -> nn.Parameter:
-    """The full parameter the modules will use: ``orig`` itself if already on this replica's
-    device, else a new XLA parameter. It replaces ``orig`` as a plain attribute of every owner."""
-    if orig.device == device:
-        full = orig
-    else:
-        full = nn.Parameter(torch.zeros(1, dtype=orig.dtype, device=device), requires_grad=orig.requires_grad)
-    for m, attr, _ in owners:
-        del m._parameters[attr]
-        object.__setattr__(m, attr, full)
-    _MANAGED_PARAMS.add(orig, owners[0][2])
-    _MANAGED_PARAMS.add(full, owners[0][2])
-    return full
-
-
-def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> Dict[str, torch.dtype]:
-    """Move this unit's buffers to ``device``, floating ones cast to ``dtype``; returns the
-    original dtypes of the cast ones, by name under the unit."""
-    cast: Dict[str, torch.dtype] = {}
-    for prefix, m in _modules_outside_units(module):
-        for name, buf in list(m._buffers.items()):
-            if buf is None:
-                continue
-            new = buf.to(device)
-            if torch.is_floating_point(buf) and buf.dtype != dtype:
-                new = new.to(dtype)
-                cast[f"{WRAPPED_MODULE}.{prefix}{name}"] = buf.dtype
-            m._buffers[name] = new
-    return cast
-
-
-def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = _MANAGED_PARAMS.name_of(p)
-            if name is not None:
-                raise ValueError(
-                    f"this {type(optimizer).__name__} holds '{name}' of the unwrapped "
-                    "model, which FSDP has replaced by shards; build the optimizer after wrapping, "
-                    "from the wrapped model's parameters()"
-                )
-
-
-register_optimizer_step_pre_hook(_optimizer_step_pre_hook)

@@ -11,8 +11,10 @@ from these fields, so a new option is one new field.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -155,12 +157,34 @@ class FsdpOptions:
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> FsdpOptions:
-        """The options from wrapper arguments spelled as in the signature (``_shard_size_multiple``)."""
-        return cls(**{f.name: arguments[argument_name(f)] for f in fields(cls) if argument_name(f) in arguments})
+        """The options from wrapper arguments spelled as in the signature (``_shard_size_multiple``):
+        the shared object (``sharing_options``) when they are exactly its own values."""
+        values = {f.name: arguments[argument_name(f)] for f in fields(cls) if argument_name(f) in arguments}
+        shared = _SHARED.get()
+        if shared is not None and len(values) == len(fields(cls)):
+            if all(getattr(shared, name) is value for name, value in values.items()):
+                return shared
+        return cls(**values)
 
     def as_arguments(self) -> Dict[str, Any]:
         """These options as wrapper keyword arguments (for the units an auto-wrap creates)."""
         return {argument_name(f): getattr(self, f.name) for f in fields(self)}
+
+
+# The options the wrappers made in this context share (one per replica thread: each thread has
+# its own context).
+_SHARED: ContextVar[Optional[FsdpOptions]] = ContextVar("accel_xla_fsdp_shared_options", default=None)
+
+
+@contextmanager
+def sharing_options(options: FsdpOptions) -> Iterator[None]:
+    """Inside, a wrapper given exactly ``options.as_arguments()`` keeps ``options`` itself instead
+    of making an equal object: the units an auto-wrap makes share their parent's options."""
+    token = _SHARED.set(options)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def argument_name(f: Any) -> str:

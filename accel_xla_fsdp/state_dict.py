@@ -2,19 +2,19 @@
 
 Names: under the root wrapper every unit's module sits at ``..._fsdp_wrapped_module``; the full
 state dict uses the names the unwrapped model has (``original_name``). The local state dict is
-``nn.Module.state_dict()`` of the root: this replica's shards and the buffers.
+``nn.Module.state_dict()`` of the root: this replica's shards and the buffers. Every function
+takes a unit's ``UnitState`` and reads the units inside it, with their names, from the root's
+state (``UnitState.named_units``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import _xla
-
-if TYPE_CHECKING:
-    from .fsdp import XlaFullyShardedDataParallel as Unit
+from .unit_state import UnitState, holding_full_params
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
 
@@ -33,10 +33,10 @@ def full_name(prefix: str, name: str) -> str:
     return original_name(join(prefix, WRAPPED_MODULE, name))
 
 
-def shards_by_name(root: Unit) -> Dict[str, torch.nn.Parameter]:
+def shards_by_name(root: UnitState) -> Dict[str, torch.nn.Parameter]:
     """Each parameter's name in the unwrapped model (tied names too) -> the shard holding it."""
     shards = {}
-    for prefix, unit in named_units(root):
+    for prefix, unit in root.named_units():
         for group in unit.param_groups:
             for slot in group.slots:
                 for name in (slot.name, *slot.aliases):
@@ -44,14 +44,7 @@ def shards_by_name(root: Unit) -> Dict[str, torch.nn.Parameter]:
     return shards
 
 
-def named_units(root: Unit) -> List[Tuple[str, Unit]]:
-    """Every unit under ``root`` (itself first) with its name under the root."""
-    from .fsdp import XlaFullyShardedDataParallel  # the wrapper imports this module
-
-    return [(n, m) for n, m in root.named_modules() if isinstance(m, XlaFullyShardedDataParallel)]
-
-
-def full_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
+def full_state_dict(root: UnitState) -> Dict[str, torch.Tensor]:
     """The unsharded state dict of the original module, on the CPU, under its own names: each
     parameter once (a tied one under its first name), every buffer.
 
@@ -59,12 +52,12 @@ def full_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
     their shards' dtype (float32 master weights under bf16 compute), buffers in their original one.
     """
     state = {names[0]: value for names, value in _gathered_params(root)}
-    for name, buf in root.named_buffers():
+    for name, buf in root.wrapper.named_buffers():
         state[original_name(name)] = _buffer_on_host(root, name, buf)
     return state
 
 
-def model_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
+def model_state_dict(root: UnitState) -> Dict[str, torch.Tensor]:
     """What ``state_dict()`` of the unwrapped model gives, with full tensors on the CPU.
 
     Its keys: every name of every parameter (a tied weight under each of its names, one tensor)
@@ -73,7 +66,7 @@ def model_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
     and a stock ``save_pretrained`` read this. Every replica must call it (it gathers).
     """
     state = {name: value for names, value in _gathered_params(root) for name in names}
-    for name, module in root.named_modules():
+    for name, module in root.wrapper.named_modules():
         for local, buf in module._buffers.items():
             if buf is not None and local not in module._non_persistent_buffers_set:
                 wrapped = join(name, local)
@@ -81,33 +74,34 @@ def model_state_dict(root: Unit) -> Dict[str, torch.Tensor]:
     return state
 
 
-def _gathered_params(root: Unit) -> List[Tuple[Tuple[str, ...], torch.Tensor]]:
+def _gathered_params(root: UnitState) -> List[Tuple[Tuple[str, ...], torch.Tensor]]:
     """Each full parameter on the CPU, with its names in the unwrapped model (tied: several)."""
-    with root.summon_full_params(writeback=False):
+    units = [unit for _, unit in root.named_units()]
+    with holding_full_params(units, in_shard_dtype=True, writeback=False):
         _xla.sync()  # one program gathers every unit; the copies below only transfer
         return [
             (tuple(full_name(prefix, name) for name in (slot.name, *slot.aliases)), slot.param.detach().cpu())
-            for prefix, unit in named_units(root)
+            for prefix, unit in root.named_units()
             for group in unit.param_groups
             for slot in group.slots
         ]
 
 
-def _buffer_on_host(root: Unit, name: str, buf: torch.Tensor) -> torch.Tensor:
+def _buffer_on_host(root: UnitState, name: str, buf: torch.Tensor) -> torch.Tensor:
     """Buffer ``name`` (under the root) on the CPU, in the dtype it had before wrapping."""
     return buf.detach().cpu().to(buffer_original_dtype(root, name) or buf.dtype)
 
 
-def buffer_original_dtype(root: Unit, name: str) -> Optional[torch.dtype]:
+def buffer_original_dtype(root: UnitState, name: str) -> Optional[torch.dtype]:
     """The dtype a buffer had before wrapping cast it to ``buffer_dtype`` (None if not cast)."""
-    for prefix, unit in named_units(root):
+    for prefix, unit in root.named_units():
         local = name[len(prefix) + 1 :] if prefix else name
         if (not prefix or name.startswith(prefix + ".")) and local in unit.buffer_orig_dtypes:
             return unit.buffer_orig_dtypes[local]
     return None
 
 
-def shard_metadata(root: Unit) -> Dict[str, Any]:
+def shard_metadata(root: UnitState) -> Dict[str, Any]:
     """What it takes to reassemble (or reshard) this replica's ``state_dict()``.
 
     The same form as torch_xla's, so its ``consolidate_sharded_model_checkpoints`` reads
@@ -115,7 +109,7 @@ def shard_metadata(root: Unit) -> Dict[str, Any]:
     ``sharding`` adds each unit's group, for loading on a different number of replicas.
     """
     shard_info, flatten_info, sharding = {}, {}, {}
-    for prefix, unit in named_units(root):
+    for prefix, unit in root.named_units():
         shard_info[prefix] = {
             g.spec.shard_name: {"_orig_size": g.spec.orig_size, "_orig_name": g.spec.orig_name}
             for g in unit.param_groups
@@ -135,7 +129,7 @@ def shard_metadata(root: Unit) -> Dict[str, Any]:
                 )
     buffer_info = {
         name: {"_orig_dtype": dtype}
-        for name, _ in root.named_buffers()
+        for name, _ in root.wrapper.named_buffers()
         if (dtype := buffer_original_dtype(root, name)) is not None
     }
     return {

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from .. import _xla
 from ..fsdp import XlaFullyShardedDataParallel
 from ..param_group import ParamSlot, ShardedParamGroup
-from ..state_dict import buffer_original_dtype, full_name, join, named_units, original_name
+from ..state_dict import buffer_original_dtype, full_name, join, original_name
 from .files import check_free_space, check_writable, remove_tree, write_atomically
 from .format import (
     BUFFER, FORMAT, FORMAT_1, META_KEY, MODEL, OPTIM, RECORD, SAVE_NAME, CheckpointError, GroupEntry, ParamEntry,
@@ -201,7 +201,7 @@ def _agree(values: List[int]) -> List[int]:
 
 def _groups_of(model: XlaFullyShardedDataParallel) -> Iterator[Tuple[str, str, ShardedParamGroup]]:
     """(unit prefix, group key, group) for every group of every unit, in a fixed order."""
-    for prefix, unit in named_units(model):
+    for prefix, unit in model.unit_state.named_units():
         for group in unit.param_groups:
             yield prefix, join(prefix, group.spec.shard_name), group
 
@@ -229,7 +229,7 @@ def _rank_tensors(
         ))
     buffers = {}
     for name, buf in model.named_buffers():
-        value = buf.detach().cpu().to(buffer_original_dtype(model, name) or buf.dtype).contiguous()
+        value = buf.detach().cpu().to(buffer_original_dtype(model.unit_state, name) or buf.dtype).contiguous()
         tensors[f"{BUFFER}/{original_name(name)}"] = value
         buffers[original_name(name)] = dtype_name(value.dtype)
     optim_meta = _optimizer_tensors(optimizer, groups, tensors) if optimizer is not None else None

@@ -34,11 +34,12 @@ from accelerate.utils import DistributedType, synchronize_rng_states
 
 from .. import _xla
 from ..checkpointing import checkpoint_module
-from ..fsdp import FlatShardKey, XlaFullyShardedDataParallel
+from ..construction import FlatShardKey
+from ..fsdp import XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
 from . import checkpoints, launch, pretrained_loading, replica_threads, script_logging
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
-from .plugin import XlaFsdpPlugin, _PluginBase
+from .plugin import XlaFsdpPlugin
 
 logger = get_logger(__name__)
 
@@ -62,7 +63,7 @@ class Accelerator(accelerate.Accelerator):
     """
 
     def __init__(self, *args: Any, fsdp_plugin: Optional[Any] = None, mixed_precision: Optional[str] = None, **kwargs: Any) -> None:
-        if fsdp_plugin is not None and not isinstance(fsdp_plugin, _PluginBase):
+        if fsdp_plugin is not None and not isinstance(fsdp_plugin, XlaFsdpPlugin):
             raise TypeError(
                 f"fsdp_plugin must be an accel_xla_fsdp.XlaFsdpPlugin, got {type(fsdp_plugin).__name__} "
                 "(Accelerate's FullyShardedDataParallelPlugin is for GPUs)"
@@ -106,7 +107,7 @@ class Accelerator(accelerate.Accelerator):
                 models_here = True
                 names = parameter_names(obj)
                 args[i] = self.shard_model(obj, flat_shard_key=param_group_key(optimizers))
-                by_name = shards_by_name(args[i])
+                by_name = shards_by_name(args[i].unit_state)
                 self._unwrapped_names.update(names)
                 self._shard_of.update({pid: by_name[name] for pid, name in names.items()})
         for optimizer in optimizers:

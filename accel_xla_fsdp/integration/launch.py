@@ -6,7 +6,8 @@ not the ``fsdp_config`` section, not ``mixed_precision`` (it only sets torch_xla
 ``XLA_USE_BF16``, which torch_xla 2.9 no longer reads), and on XLA:CPU not the number of
 devices. The script's import of ``accel_xla_fsdp.Accelerator`` runs ``export_launch_settings``
 in that launcher process, before the spawn, and it passes them on as environment variables,
-which the replica processes inherit.
+which the replica processes inherit: the ``fsdp_config`` keys, parsed there once, as the
+settings' own variables (``FSDP_*``, ``XLA_FSDP_*``), as Accelerate's launcher does for its FSDP.
 
 An import inside the script's ``main()`` runs only in the replicas, after the spawn: each
 ``Accelerator`` then reads the launcher's command line (its parent process's) and takes the
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .. import _xla
-from .plugin import CONFIG_FILE_ENV, check_config_section
+from .plugin import CONFIG_EXPORTED_ENV, CONFIG_FILE_ENV, SETTINGS, check_config_section, settings_environment
 
 # The replicas the launcher was asked for (``--num_processes`` or the config's ``num_processes``).
 NUM_PROCESSES_ENV = "ACCEL_XLA_FSDP_NUM_PROCESSES"
@@ -63,8 +64,10 @@ def launch_environment(arguments: List[str]) -> Dict[str, str]:
     config = load_config_from_file(path)
     if str(config.distributed_type) not in ("XLA", "DistributedType.XLA"):
         return {}
-    check_config_section(config.fsdp_config or {}, source=path)  # fail in the launcher, once
-    env = {CONFIG_FILE_ENV: str(Path(path).resolve())}
+    section = check_config_section(config.fsdp_config or {}, source=path)  # fail in the launcher, once
+    resolved = str(Path(path).resolve())
+    # The settings travel as environment variables, parsed here once; the replicas read those.
+    env = {CONFIG_FILE_ENV: resolved, CONFIG_EXPORTED_ENV: resolved, **settings_environment(section)}
     env[NUM_PROCESSES_ENV] = str(args.num_processes or config.num_processes or 1)
     mixed_precision = args.mixed_precision or config.mixed_precision
     if mixed_precision:
@@ -84,7 +87,8 @@ def read_settings_in_replica() -> None:
         return
     env = launch_environment(arguments)
     if env:
-        for name in (CONFIG_FILE_ENV, NUM_PROCESSES_ENV, "ACCELERATE_MIXED_PRECISION"):
+        passed = (CONFIG_FILE_ENV, CONFIG_EXPORTED_ENV, NUM_PROCESSES_ENV, "ACCELERATE_MIXED_PRECISION")
+        for name in passed + tuple(s.env for s in SETTINGS):
             if name in env:
                 os.environ.setdefault(name, env[name])
         os.environ[READ_LATE_ENV] = "1"

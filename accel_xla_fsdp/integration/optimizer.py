@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from accelerate.optimizer import AcceleratedOptimizer
 
-from ..fsdp import FlatShardKey
+from ..construction import FlatShardKey
 
 
 def parameter_names(model: nn.Module) -> Dict[int, str]:

@@ -5,32 +5,40 @@ variable, the ``fsdp_config`` section of the ``accelerate launch`` config file, 
 Settings that mean what one of Accelerate's FSDP keys means use that key (``fsdp_auto_wrap_policy``,
 ``fsdp_transformer_layer_cls_to_wrap``, ...) and Accelerate's environment variable; the engine's
 other options (the ``FsdpOptions`` table in options.py) are ``xla_fsdp_<option>`` /
-``XLA_FSDP_<OPTION>``. The plugin's fields are built from two tables: ``WRAP_SETTINGS`` below and
-the engine's options, so an engine option is configurable the moment it is in ``FsdpOptions``.
+``XLA_FSDP_<OPTION>``. ``XlaFsdpPlugin`` is a plain typed dataclass: Accelerate's wrap settings,
+then one field per configurable engine option, whose key, default, help and parser come from
+its ``FsdpOptions`` field (tests/test_structure.py checks that the two agree).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from ..checkpointing import checkpoint_module
-from ..fsdp import FlatShardKey, ParamInitFn, XlaFullyShardedDataParallel
-from ..options import FsdpOptions, argument_name
+from ..construction import FlatShardKey, ParamInitFn
+from ..fsdp import XlaFullyShardedDataParallel
+from ..options import FsdpOptions, argument_name, sharing_options
 from ..wrap import Policy, size_policy, transformer_block_policy
 
 # Set by the launcher process of ``accelerate launch`` (launch.py) for the replicas it starts.
 CONFIG_FILE_ENV = "ACCEL_XLA_FSDP_CONFIG_FILE"
+# Set with it, to the same path, when the launcher has put that file's ``fsdp_config`` into the
+# settings' environment variables (``settings_environment``): the replicas need not read the file.
+CONFIG_EXPORTED_ENV = "ACCEL_XLA_FSDP_CONFIG_EXPORTED"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One plugin field: its config key, environment variable, default, help and parser."""
+    """One plugin field: its config key, environment variable, default, help and parser (a
+    field's ``metadata["setting"]``)."""
 
     name: str
     key: str
@@ -126,93 +134,101 @@ def parse_state_dict_type(key: str, value: Any) -> str:
     return text
 
 
-WRAP_SETTINGS: Tuple[Setting, ...] = (
-    Setting(
-        "auto_wrap_policy", "fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", None,
+def _setting(key: str, env: str, default: Any, help: str, parse: Callable[[str, Any], Any]) -> Any:
+    """A plugin field that is one of Accelerate's FSDP settings (its key and variable)."""
+    return field(default=None, metadata={"setting": Setting("", key, env, default, help, parse)})
+
+
+# The engine's options an Accelerate run sets some other way: the compute dtype from
+# ``mixed_precision``, the sharding groups (a per-replica position) in code only.
+NOT_CONFIGURABLE = ("compute_dtype", "sharding_groups", "sharding_rank", "sharding_world_size")
+_OPTION_FIELDS = {f.name: f for f in fields(FsdpOptions)}
+_OPTION_TYPES = typing.get_type_hints(FsdpOptions)
+_TYPE_PARSERS: Dict[type, Callable[[str, Any], Any]] = {
+    bool: parse_bool, int: parse_int, float: parse_float, torch.dtype: parse_dtype,
+}
+
+
+def value_type(annotation: Any) -> Any:
+    """``T`` of ``Optional[T]`` (``annotation`` itself if not optional)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else annotation
+
+
+def _option(name: str, parse: Optional[Callable[[str, Any], Any]] = None) -> Any:
+    """A plugin field that is the engine's option ``name`` (``FsdpOptions``): its help, its
+    Accelerate key or ``xla_fsdp_<option>``, its Accelerate default, a parser for its type."""
+    f = _OPTION_FIELDS[name]
+    key = f.metadata["accelerate"] or f"xla_fsdp_{argument_name(f).lstrip('_')}"
+    parse = parse or _TYPE_PARSERS[value_type(_OPTION_TYPES[name])]
+    setting = Setting(name, key, key.upper(), f.metadata["accelerate_default"], f.metadata["help"], parse)
+    return field(default=None, metadata={"setting": setting, "option": name})
+
+
+@dataclass
+class XlaFsdpPlugin:
+    """Every XLA FSDP setting of an Accelerate run (the listing below is generated)."""
+
+    # Accelerate's FSDP settings that say what to wrap and how to save and load.
+    auto_wrap_policy: Optional[Union[str, Policy]] = _setting(
+        "fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", None,
         "Which submodules become FSDP units of their own: TRANSFORMER_BASED_WRAP (the block classes "
         "below), SIZE_BASED_WRAP (by fsdp_min_num_params), NO_WRAP (one unit), or a policy callable. "
         "Unset: TRANSFORMER_BASED_WRAP for a model that names its blocks (transformers' "
         "_no_split_modules) or when classes are given, else NO_WRAP.",
         parse_wrap_policy,
-    ),
-    Setting(
-        "transformer_cls_names_to_wrap", "fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", None,
+    )
+    transformer_cls_names_to_wrap: Optional[Union[str, Sequence[str]]] = _setting(
+        "fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", None,
         "Block class names to wrap, comma-separated (default: the model's _no_split_modules).",
         parse_class_names,
-    ),
-    Setting(
-        "min_num_params", "fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", 100_000_000,
+    )
+    min_num_params: Optional[int] = _setting(
+        "fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", 100_000_000,
         "SIZE_BASED_WRAP: wrap a module once this many of its parameters are not yet wrapped.",
         parse_int,
-    ),
-    Setting(
-        "activation_checkpointing", "fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", False,
+    )
+    activation_checkpointing: Optional[bool] = _setting(
+        "fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", False,
         "Checkpoint every wrapped block (recompute its activations in backward, in a form the XLA "
         "compiler cannot undo).",
         parse_bool,
-    ),
-    Setting(
-        "state_dict_type", "fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", "sharded_state_dict",
+    )
+    state_dict_type: Optional[str] = _setting(
+        "fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", "sharded_state_dict",
         "What save_state writes: SHARDED_STATE_DICT (each rank its shard, loadable on any number of "
         "ranks) or FULL_STATE_DICT (that, plus the consolidated model in the Hugging Face layout).",
         parse_state_dict_type,
-    ),
-    Setting(
-        "cpu_ram_efficient_loading", "fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", False,
+    )
+    cpu_ram_efficient_loading: Optional[bool] = _setting(
+        "fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", False,
         "from_pretrained builds the model on the meta device and prepare() reads each replica's shards "
         "from the weight files: the model is never whole in host memory (pretrained_loading.py).",
         parse_bool,
-    ),
-    Setting(
-        "sync_module_states", "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", True,
+    )
+    sync_module_states: Optional[bool] = _setting(
+        "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", True,
         "Give every replica rank 0's initial weights before sharding.",
         parse_bool,
-    ),
-)
-
-# The engine's options that an Accelerate run sets some other way: the compute dtype from
-# ``mixed_precision``, the sharding groups (a per-replica position) in code only.
-_NOT_CONFIGURABLE = ("compute_dtype", "sharding_groups", "sharding_rank", "sharding_world_size")
-_SPECIAL_PARSERS = {"reshard_after_forward": parse_reshard, "backward_prefetch": parse_prefetch}
-_TYPE_PARSERS = {"bool": parse_bool, "Optional[int]": parse_int, "Optional[float]": parse_float, "Optional[torch.dtype]": parse_dtype}
-
-
-def _engine_settings() -> Tuple[Setting, ...]:
-    settings = []
-    for f in fields(FsdpOptions):
-        if f.name in _NOT_CONFIGURABLE:
-            continue
-        key = f.metadata["accelerate"] or f"xla_fsdp_{argument_name(f).lstrip('_')}"
-        parse = _SPECIAL_PARSERS.get(f.name) or _TYPE_PARSERS[str(f.type)]
-        settings.append(Setting(f.name, key, key.upper(), f.metadata["accelerate_default"], f.metadata["help"], parse))
-    return tuple(settings)
-
-
-ENGINE_SETTINGS = _engine_settings()
-SETTINGS = WRAP_SETTINGS + ENGINE_SETTINGS
-
-# Accelerate's FSDP keys that say nothing here, accepted so that a GPU FSDP config runs as it is,
-# with the values that mean what XLA FSDP does anyway.
-_ACCEPTED_KEYS: Dict[str, Tuple[Any, ...]] = {
-    "fsdp_version": (1, 2),
-    "fsdp_use_orig_params": (True, False),
-    "fsdp_offload_params": (False,),
-    "fsdp_forward_prefetch": (False,),
-    "fsdp_activation_checkpointing_offload": (False,),
-}
-
-
-def config_help() -> Dict[str, str]:
-    """Every ``fsdp_config`` key with its environment variable, default and help (README table)."""
-    return {s.key: f"{s.env} (default {_show(s.default)}): {s.help}" for s in SETTINGS}
-
-
-def _show(value: Any) -> str:
-    return "unset" if value is None else str(value)
-
-
-class _PluginBase:
-    """What every ``XlaFsdpPlugin`` does; its fields are made from ``SETTINGS`` below."""
+    )
+    # The engine's options, in FsdpOptions' order, each typed Optional[its type there]
+    # (tests/test_structure.py checks them against FsdpOptions).
+    reshard_after_forward: Optional[bool] = _option("reshard_after_forward", parse_reshard)
+    flatten_parameters: Optional[bool] = _option("flatten_parameters")
+    execute_sharding_on_init: Optional[bool] = _option("execute_sharding_on_init")
+    optimization_barrier_in_forward: Optional[bool] = _option("optimization_barrier_in_forward")
+    optimization_barrier_in_backward: Optional[bool] = _option("optimization_barrier_in_backward")
+    sync_on_finalization: Optional[bool] = _option("sync_on_finalization")
+    disable_reshard_on_root: Optional[bool] = _option("disable_reshard_on_root")
+    buffer_dtype: Optional[torch.dtype] = _option("buffer_dtype")
+    fp32_reduce_scatter: Optional[bool] = _option("fp32_reduce_scatter")
+    shard_param_on_dim_0: Optional[bool] = _option("shard_param_on_dim_0")
+    pin_layout_in_collective_ops: Optional[bool] = _option("pin_layout_in_collective_ops")
+    reduce_scatter_bucket_size_mb: Optional[float] = _option("reduce_scatter_bucket_size_mb")
+    coalesce_all_gather_ops: Optional[bool] = _option("coalesce_all_gather_ops")
+    backward_prefetch: Optional[bool] = _option("backward_prefetch", parse_prefetch)
+    shard_size_multiple: Optional[int] = _option("shard_size_multiple")
+    use_xla_patched_linear: Optional[bool] = _option("use_xla_patched_linear")
 
     def __post_init__(self) -> None:
         config = _config_file_settings()
@@ -276,10 +292,37 @@ class _PluginBase:
         policy = self.wrap_policy(model)
         wrapper = _checkpointed_unit if checkpoint_blocks else None
         root = checkpoint_module(model) if checkpoint_blocks and policy is None else model
-        return XlaFullyShardedDataParallel(
-            root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, flat_shard_key=flat_shard_key,
-            param_init_fn=param_init_fn, **options.as_arguments(),
-        )
+        with sharing_options(options):  # the wrappers keep this object: options are made once
+            return XlaFullyShardedDataParallel(
+                root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, flat_shard_key=flat_shard_key,
+                param_init_fn=param_init_fn, **options.as_arguments(),
+            )
+
+
+SETTINGS: Tuple[Setting, ...] = tuple(
+    dataclasses.replace(f.metadata["setting"], name=f.name) for f in fields(XlaFsdpPlugin)
+)
+ENGINE_SETTINGS = tuple(s for s, f in zip(SETTINGS, fields(XlaFsdpPlugin)) if "option" in f.metadata)
+
+
+# Accelerate's FSDP keys that say nothing here, accepted so that a GPU FSDP config runs as it is,
+# with the values that mean what XLA FSDP does anyway.
+_ACCEPTED_KEYS: Dict[str, Tuple[Any, ...]] = {
+    "fsdp_version": (1, 2),
+    "fsdp_use_orig_params": (True, False),
+    "fsdp_offload_params": (False,),
+    "fsdp_forward_prefetch": (False,),
+    "fsdp_activation_checkpointing_offload": (False,),
+}
+
+
+def config_help() -> Dict[str, str]:
+    """Every ``fsdp_config`` key with its environment variable, default and help (README table)."""
+    return {s.key: f"{s.env} (default {_show(s.default)}): {s.help}" for s in SETTINGS}
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is None else str(value)
 
 
 def _checkpointed_unit(module: nn.Module, *args: Any, **kwargs: Any) -> XlaFullyShardedDataParallel:
@@ -287,14 +330,49 @@ def _checkpointed_unit(module: nn.Module, *args: Any, **kwargs: Any) -> XlaFully
 
 
 def _config_file_settings() -> Dict[str, Any]:
-    """The ``fsdp_config`` section of the config file ``accelerate launch`` was given, checked."""
+    """The ``fsdp_config`` section of the config file ``accelerate launch`` was given, checked.
+
+    Parsed once per process and file version: every replica thread of a process, every plugin
+    and every ``configured()`` call read the same parse."""
     path = os.environ.get(CONFIG_FILE_ENV)
-    if not path:
+    if not path or os.environ.get(CONFIG_EXPORTED_ENV) == path:
         return {}
+    try:
+        stat = os.stat(path)
+        version: Tuple[Optional[int], Optional[int]] = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        version = (None, None)  # not cached in effect: the parse below raises Accelerate's error
+    return dict(_parsed_config_section(path, *version))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_config_section(path: str, mtime_ns: Optional[int], size: Optional[int]) -> Dict[str, Any]:
     from accelerate.commands.config.config_args import load_config_from_file
 
     section = load_config_from_file(path).fsdp_config or {}
     return check_config_section(section, source=path)
+
+
+def settings_environment(section: Mapping[str, Any]) -> Dict[str, str]:
+    """A checked ``fsdp_config`` section as the settings' environment variables, each value parsed
+    (a bad one stops here) and written as its parser reads it back. The launcher exports them, as
+    Accelerate's launcher does for its own FSDP, under a variable the user has not set already."""
+    env = {}
+    for setting in SETTINGS:
+        value = section.get(setting.key)
+        if value is not None:
+            env[setting.env] = _as_text(setting.parse(setting.key, value))
+    return env
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(value)  # class names
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return str(value)
 
 
 def configured(name: str) -> Any:
@@ -345,10 +423,4 @@ def _plugin_doc() -> str:
     return "\n".join(lines)
 
 
-XlaFsdpPlugin = dataclasses.make_dataclass(
-    "XlaFsdpPlugin",
-    [(s.name, Any, dataclasses.field(default=None, metadata={"key": s.key, "env": s.env, "help": s.help})) for s in SETTINGS],
-    bases=(_PluginBase,),
-    namespace={"__doc__": _plugin_doc(), "__module__": __name__},
-)
-
+XlaFsdpPlugin.__doc__ = _plugin_doc()
