@@ -58,7 +58,7 @@ class FsdpOptions:
         "trainable and frozen parameters are flattened separately, and under Accelerate so are the "
         "param groups of the optimizers prepared with the model. torch_xla's default is per "
         "parameter; Accelerate's is flat (as its own FSDP's): a faster step and less host time "
-        "(README, Benchmark). Per parameter to freeze single parameters after prepare() or to shard "
+        "(docs/performance.md). Per parameter to freeze single parameters after prepare() or to shard "
         "on dim 0.",
         accelerate="xla_fsdp_flatten_parameters", accelerate_default=True,
     )

@@ -36,7 +36,6 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("state_dict",),
     ("construction",),
     ("fsdp",),
-    ("hlo_report",),
     ("checkpoint.format",),
     ("checkpoint.files", "checkpoint.torch_xla_files", "checkpoint.pretrained"),
     ("checkpoint.consolidate", "checkpoint.sharded"),

@@ -21,7 +21,9 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     # engine: wrapping, options, errors (no devices, or one short step)
     ("test_wrap.py", "wrap.py: every policy and recursive wrapping"),
     ("test_errors.py", "options.py, fsdp.py: bad input named, at construction"),
-    # engine: training equals one plain model (fsdp.py, hooks.py, param_group.py, linear.py, checkpointing.py)
+    ("test_structure.py", "the import graph, the plugin's fields against FsdpOptions, shared options objects"),
+    # engine: training equals one plain model (fsdp.py, unit_state.py, construction.py, param_group.py,
+    # linear.py, checkpointing.py)
     ("test_parity.py::test_fsdp_matches_single_device[2dev-nested_linear-default-sgd]", "per-parameter shards"),
     ("test_parity.py::test_fsdp_matches_single_device[2dev-tied_transformer-flatten_parameters=True-adam-accum2]",
      "flat shards, tied weights and buffers, accumulation"),

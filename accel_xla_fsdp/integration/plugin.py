@@ -317,7 +317,8 @@ _ACCEPTED_KEYS: Dict[str, Tuple[Any, ...]] = {
 
 
 def config_help() -> Dict[str, str]:
-    """Every ``fsdp_config`` key with its environment variable, default and help (README table)."""
+    """Every ``fsdp_config`` key with its environment variable, default and help (the table in
+    docs/configuration.md, written by scripts/config_table.py)."""
     return {s.key: f"{s.env} (default {_show(s.default)}): {s.help}" for s in SETTINGS}
 
 
