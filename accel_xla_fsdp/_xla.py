@@ -245,13 +245,16 @@ SYNC_SITE_FRAMES = 3
 
 
 def _sync_site() -> _replica_run.Site:
-    """Where this sync was called from: the innermost frames outside torch_xla and this module
-    (a few microseconds). Replicas meeting at one boundary from different places are said."""
+    """Where this sync was called from: the innermost frames outside torch_xla, this module and
+    the replica entry (a few microseconds). Replicas meeting at one boundary from different
+    places are said. The entry's frames are named per rank (``replica_0``, ...) so that thread
+    dumps say which replica is which: counted in, a shallow replica function's syncs would
+    differ by rank alone."""
     site: List[Tuple[str, int, str]] = []
     frame = sys._getframe(1)
     while frame is not None and len(site) < SYNC_SITE_FRAMES:
         path = frame.f_code.co_filename
-        if path != __file__ and not path.startswith(_TORCH_XLA_DIR):
+        if path not in (__file__, _replica_run.__file__) and not path.startswith(_TORCH_XLA_DIR):
             site.append((path, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
     return tuple(site)

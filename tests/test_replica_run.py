@@ -13,8 +13,9 @@ import time
 from typing import Callable, Dict, List
 
 import pytest
+import torch
 
-from accel_xla_fsdp import _replica_run
+from accel_xla_fsdp import _replica_run, _xla
 
 
 def run_replicas(fns: List[Callable[[int], object]]) -> Dict[int, object]:
@@ -129,3 +130,16 @@ def test_replica_frames_are_named_after_their_rank(rank: int) -> None:
     outcome = run_replicas([frame_names] * (rank + 1))
     assert f"replica_{rank}" in outcome[rank] and "replica_0" not in outcome[rank] or rank == 0, outcome[rank]
     assert f"replica_{rank}" in outcome[rank]
+
+
+def sync_right_away(rank: int, world: int) -> float:
+    x = torch.ones(2, device=_xla.device()) * rank
+    _xla.sync()
+    return float(x.sum().cpu())
+
+
+def test_replicas_syncing_from_one_place_are_not_said_to_differ(pools, capfd) -> None:
+    """A replica function that syncs at once has the replica entry (named per rank) among its
+    innermost frames: the entry does not count as a place."""
+    assert pools[2].run(sync_right_away, 2) == [0.0, 2.0]
+    assert "from different places" not in capfd.readouterr().err
