@@ -19,6 +19,8 @@ from .wrap import (
 __all__ = [
     "Accelerator",
     "XlaFsdpPlugin",
+    "Trainer",
+    "Seq2SeqTrainer",
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
     "save_sharded",
@@ -44,9 +46,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """``Accelerator`` and ``XlaFsdpPlugin`` import Accelerate: only when asked for."""
+    """``Accelerator`` and ``XlaFsdpPlugin`` import Accelerate, ``Trainer`` and ``Seq2SeqTrainer``
+    transformers' Trainer too: only when asked for."""
     if name in ("Accelerator", "XlaFsdpPlugin"):
         from . import integration
 
         return getattr(integration, name)
+    if name in ("Trainer", "Seq2SeqTrainer"):
+        from .integration import trainer
+
+        trainer.install()
+        return getattr(trainer, name)
     raise AttributeError(f"module 'accel_xla_fsdp' has no attribute {name!r}")

@@ -1,0 +1,181 @@
+"""``transformers``' ``Trainer`` and ``Seq2SeqTrainer`` on accel_xla_fsdp's ``Accelerator``.
+
+A Trainer script changes its import (``from accel_xla_fsdp import Trainer``) and runs under
+``accelerate launch --config_file plugins/xla_fsdp_cpu.yaml``. What differs from the stock
+classes (transformers 5.24), and why:
+
+- The Trainer builds its ``Accelerator`` itself (``create_accelerator_and_postprocess``); here it
+  is ours, with the FSDP settings of ``TrainingArguments(fsdp=..., fsdp_config=...)`` if any
+  (trainer_args.py), else the config file's. The Trainer then takes its ordinary Accelerate
+  path: ``accelerator.prepare(model, optimizer)`` shards the model and moves the optimizer onto
+  the shards. torch_xla's own FSDP (``fsdp_config["xla"]``, ``integrations/tpu.py``) is never
+  used: the trainer's ``args`` are a copy whose ``fsdp`` is off, its settings taken over.
+- The Trainer's XLA branches that call torch_xla directly (``xm.mesh_reduce`` for the logged
+  loss, ``xm.rendezvous`` around saves, ``xm.mark_step``) run as they are: _xla.py makes the
+  rendezvous work between XLA:CPU replica threads.
+- Checkpoints (``save_steps``): ``checkpoint-N/xla_fsdp_0/`` holds our sharded model and
+  optimizer (loadable on any number of replicas) beside the Trainer's own files (scheduler,
+  each rank's random states, ``trainer_state.json``, ``training_args.bin``); the Trainer's XLA
+  path would write the optimizer of rank 0 alone (``xm.save``), which on shards is a fraction of
+  it. Resuming loads them after ``prepare()``; ``load_best_model_at_end`` loads the best one's
+  model. ``save_model(dir)`` writes the whole model in the Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import accelerate
+import torch
+import transformers
+import transformers.trainer
+from transformers.trainer import SCHEDULER_NAME
+
+from .. import _xla
+from ..checkpoint import CheckpointError, load_sharded, save_sharded
+from ..fsdp import XlaFullyShardedDataParallel
+from .accelerator import Accelerator, XlaDataLoader
+from .trainer_args import check_precision, plugin_from_training_args
+
+SHARDED_DIR = "xla_fsdp_0"
+_building = threading.local()
+# The Trainer reads its random states under torch's safe globals, a process-wide list that it sets
+# and clears: XLA:CPU replica threads loading at once cleared each other's, and a replica failed
+# to unpickle NumPy's state (seen). One replica at a time reads them.
+_rng_files = threading.Lock()  # the plugin of the Trainer building its Accelerator in this thread
+
+
+def _accelerator(*args: Any, **kwargs: Any) -> accelerate.Accelerator:
+    """What ``transformers.trainer`` calls ``Accelerator``: ours for our Trainers (in the thread
+    building one), Accelerate's for any other. The Trainer's own ``fsdp_plugin`` (built from
+    ``fsdp_config`` for GPUs) is replaced by the ``XlaFsdpPlugin`` made from the same settings."""
+    if not getattr(_building, "active", False):
+        return accelerate.Accelerator(*args, **kwargs)
+    kwargs["fsdp_plugin"] = _building.plugin
+    return Accelerator(*args, **kwargs)
+
+
+def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """What ``transformers.trainer`` calls ``skip_first_batches`` (Accelerate's function, which on
+    XLA takes torch_xla's device loader apart): ours for the dataloaders our ``prepare()`` makes."""
+    if isinstance(dataloader, XlaDataLoader):
+        return XlaDataLoader(dataloader.shard, dataloader.rng_types, num_batches)
+    return accelerate.skip_first_batches(dataloader, num_batches)
+
+
+def install() -> None:
+    """Point the two names ``transformers.trainer`` imported from Accelerate at the dispatchers
+    above (Accelerate's own objects for anything not ours)."""
+    transformers.trainer.Accelerator = _accelerator
+    transformers.trainer.skip_first_batches = _skip_first_batches
+
+
+class _OnXlaFsdp:
+    """What ``Trainer`` and ``Seq2SeqTrainer`` change to run on accel_xla_fsdp's engine."""
+
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        if args is not None:
+            check_precision(args)
+            self._xla_fsdp_plugin = plugin_from_training_args(args)
+            args = copy.copy(args)  # the caller's arguments stay as given
+            args.fsdp, args.fsdp_plugin_args = False, None
+        else:
+            self._xla_fsdp_plugin = None
+        super().__init__(model, args, *rest, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        _building.active, _building.plugin = True, self._xla_fsdp_plugin
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            _building.active, _building.plugin = False, None
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> Tuple[Any, Dict[str, Any]]:
+        """The Trainer's optimizer, unfused: the default ``adamw_torch_fused`` asks for torch's fused
+        kernel, which takes no XLA tensors (the same update, round-off apart)."""
+        optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+        if kwargs.get("fused"):
+            kwargs = {**kwargs, "fused": False}
+        return optimizer_cls, kwargs
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """Nothing: ``prepare()`` places the model's shards (with ``fsdp_cpu_ram_efficient_loading``
+        the model is on the meta device until then, and cannot move)."""
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _sharded_model(self) -> Optional[XlaFullyShardedDataParallel]:
+        wrapped = self.model_wrapped
+        return wrapped if isinstance(wrapped, XlaFullyShardedDataParallel) else None
+
+    def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The whole model in the Hugging Face layout (``from_pretrained`` loads it); in a
+        checkpoint (``_internal_call``), the sharded model and optimizer instead. Every replica
+        calls it (the Trainer does)."""
+        model = self._sharded_model()
+        if model is None or not _internal_call:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        optimizer = None if self.args.save_only_model else self._raw_optimizer()
+        save_sharded(model, optimizer, os.path.join(output_dir, SHARDED_DIR))
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            inner = model.module
+            if hasattr(inner, "config"):
+                inner.config.save_pretrained(output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+        _xla.agree("save_model")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The optimizer is in ``xla_fsdp_0/`` with the model; the scheduler as the Trainer writes it."""
+        if self._sharded_model() is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Called before ``prepare()`` (the model is not sharded yet): loading waits for
+        ``_load_optimizer_and_scheduler``, which the Trainer calls after it."""
+        if not (Path(resume_from_checkpoint) / SHARDED_DIR).is_dir():
+            raise CheckpointError(
+                f"{resume_from_checkpoint} holds no {SHARDED_DIR}/: resume from a checkpoint-N folder written by "
+                "accel_xla_fsdp's Trainer (a folder of the Trainer's own XLA FSDP rank files converts with "
+                "`python -m accel_xla_fsdp convert-torch-xla`, then load it with from_pretrained)"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        model = self._sharded_model()
+        if checkpoint is None or model is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = None if self.args.save_only_model else self._raw_optimizer()
+        load_sharded(model, optimizer, os.path.join(checkpoint, SHARDED_DIR))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        with _rng_files:
+            super()._load_rng_state(checkpoint)
+
+    def _load_best_model(self) -> None:
+        model = self._sharded_model()
+        if model is None:
+            return super()._load_best_model()
+        load_sharded(model, None, os.path.join(self.state.best_model_checkpoint, SHARDED_DIR))
+
+
+class Trainer(_OnXlaFsdp, transformers.Trainer):
+    """``transformers.Trainer`` training with XLA FSDP (module docstring)."""
+
+
+class Seq2SeqTrainer(_OnXlaFsdp, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` training with XLA FSDP (module docstring)."""

@@ -1,0 +1,178 @@
+"""``accel_xla_fsdp.Trainer``, driven through the real ``accelerate launch``, against the stock Trainer.
+
+``trainer_train.py`` (a stock Trainer script but for its ``Trainer`` import) runs under ``accelerate
+launch --config_file plugins/xla_fsdp_cpu.yaml`` (4 XLA:CPU replicas) and, as the reference, with
+``transformers.Trainer`` under ``torchrun --nproc_per_node 4`` with gloo on the CPU: the same global
+batch, evaluation every 3 steps, gradient accumulation, clipping, a warmup schedule, checkpoints
+every 3 steps with ``save_total_limit=2``. The logged losses, gradient norms, learning rates and
+evaluation losses must agree to round-off; the saved model must load with ``from_pretrained``; a
+run resumed from ``checkpoint-6`` must repeat the unbroken run bit for bit on 4 replicas and to
+round-off on 2 (with its settings from ``TrainingArguments(fsdp_config=...)``, one shard per
+parameter, resharding the flat checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainingArguments
+
+import trainer_train as script
+from accel_xla_fsdp.integration.trainer_args import check_precision, plugin_from_training_args
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"
+BIN = Path(sys.executable).parent
+SCRIPT = ROOT / "tests" / "trainer_train.py"
+
+
+def _env(**extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_", "ACCEL"))}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def _run(command: List[str], env: Dict[str, str], out: Path) -> Dict:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=out.parent)
+    out.with_suffix(".stderr").write_text(done.stderr)
+    stderr = out.with_suffix(".stderr")
+    assert done.returncode == 0, f"{command[0]} failed (whole stderr: {stderr}):\n{done.stderr[-6000:]}"
+    for divergence in ("from different places", "compiled its own program"):
+        assert divergence not in done.stderr, done.stderr[done.stderr.index(divergence) - 200 :][:3000]
+    return json.loads(out.read_text())
+
+
+def launch(out: Path, model: Path, output_dir: Path, *script_args: str, launch_args: tuple = ()) -> Dict:
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CPU_CONFIG), *launch_args, str(SCRIPT),
+               "--model", str(model), "--output-dir", str(output_dir), "--out", str(out), *script_args]
+    return _run(command, _env(), out)
+
+
+def on_cpu(out: Path, model: Path, output_dir: Path, *script_args: str) -> Dict:
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "4", str(SCRIPT),
+               "--model", str(model), "--output-dir", str(output_dir), "--out", str(out), *script_args]
+    return _run(command, _env(USE_TORCH_XLA="0", ACCELERATE_USE_CPU="1"), out)
+
+
+def by_step(record: Dict, key: str) -> Dict[int, float]:
+    return {e["step"]: e[key] for e in record["log_history"] if key in e}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Dict:
+    tmp = tmp_path_factory.mktemp("trainer")
+    script.save_model(tmp / "model")
+    common = ("--save-total-limit", "2")
+    cpu = on_cpu(tmp / "cpu.json", tmp / "model", tmp / "cpu_out", *common)
+    xla = launch(tmp / "xla.json", tmp / "model", tmp / "xla_out", *common, "--save-model", str(tmp / "final"))
+    return {"tmp": tmp, "cpu": cpu, "xla": xla}
+
+
+def test_losses_match_the_cpu_trainer(runs) -> None:
+    cpu, xla = runs["cpu"], runs["xla"]
+    assert xla["world"] == cpu["world"] == 4 and xla["flatten_parameters"] is True
+    for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
+        theirs, ours = by_step(cpu, key), by_step(xla, key)
+        assert sorted(ours) == sorted(theirs) and len(ours) >= 3, (key, sorted(ours))
+        torch.testing.assert_close(torch.tensor([ours[s] for s in sorted(ours)], dtype=torch.float64),
+                                   torch.tensor([theirs[s] for s in sorted(theirs)], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    assert sorted(by_step(xla, "loss")) == list(range(1, 9)) and sorted(by_step(xla, "eval_loss")) == [3, 6, 8]
+    assert min(by_step(xla, "grad_norm").values()) > 0.5, "max_grad_norm=0.5 must clip every step"
+    losses = by_step(xla, "loss")
+    assert losses[8] < losses[1] - 0.05, "the model must train"
+    assert xla["final"]["eval_loss"] == pytest.approx(cpu["final"]["eval_loss"], rel=1e-6)
+
+
+def test_checkpoints_rotate_and_hold_the_sharded_state(runs) -> None:
+    xla_out, cpu_out = runs["tmp"] / "xla_out", runs["tmp"] / "cpu_out"
+    kept = ["checkpoint-6", "checkpoint-8"]
+    assert sorted(p.name for p in xla_out.iterdir()) == sorted(p.name for p in cpu_out.iterdir()) == kept
+    files = {p.name for p in (xla_out / "checkpoint-6").iterdir()}
+    expected = {"xla_fsdp_0", "trainer_state.json", "scheduler.pt", "training_args.bin", "config.json"}
+    assert expected | {f"rng_state_{r}.pth" for r in range(4)} <= files, sorted(files)
+    assert not files & {"optimizer.pt", "model.safetensors"}, "no rank-0-only optimizer, no whole model per checkpoint"
+    assert (xla_out / "checkpoint-6" / "xla_fsdp_0" / "checkpoint.json").is_file()
+
+
+def test_save_model_writes_what_from_pretrained_loads(runs) -> None:
+    model = AutoModelForCausalLM.from_pretrained(runs["tmp"] / "final")
+    reference = load_file(str(runs["tmp"] / "cpu_out" / "checkpoint-8" / "model.safetensors"))
+    state = model.state_dict()
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    rows = script.dataset(16, 2).with_format("torch")
+    with torch.no_grad():
+        batches = [{k: rows[i : i + 2][k] for k in ("input_ids", "attention_mask", "labels")} for i in range(0, 16, 2)]
+        losses = [model(**batch).loss for batch in batches]
+    assert torch.stack(losses).mean().item() == pytest.approx(runs["cpu"]["final"]["eval_loss"], rel=1e-5)
+
+
+def test_resume_on_the_same_replicas_is_bit_exact(runs, tmp_path) -> None:
+    shutil.copytree(runs["tmp"] / "xla_out", tmp_path / "out")
+    checkpoint = tmp_path / "out" / "checkpoint-6"
+    resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--resume", str(checkpoint))
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert by_step(resumed, key) == by_step(runs["xla"], key), key
+    assert resumed["final"] == {**resumed["final"], "eval_loss": runs["xla"]["final"]["eval_loss"]}
+
+
+def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path) -> None:
+    shutil.copytree(runs["tmp"] / "xla_out", tmp_path / "out")
+    settings = {"xla": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                "xla_fsdp_settings": {"flatten_parameters": False}}
+    resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--per-device-batch", "4",
+                     "--resume", str(tmp_path / "out" / "checkpoint-6"), "--fsdp-config", json.dumps(settings),
+                     launch_args=("--num_processes", "2"))
+    assert resumed["world"] == 2 and resumed["flatten_parameters"] is False
+    for key in ("loss", "grad_norm", "eval_loss"):
+        ours, unbroken = by_step(resumed, key), by_step(runs["xla"], key)
+        assert sorted(ours) == sorted(unbroken)
+        for step in ours:
+            assert ours[step] == pytest.approx(unbroken[step], rel=1e-5), (key, step)
+
+
+def _args(**kwargs) -> TrainingArguments:
+    return TrainingArguments(output_dir="unused", report_to="none", **kwargs)
+
+
+def test_fsdp_config_keys_mean_what_the_trainer_documents(monkeypatch) -> None:
+    monkeypatch.delenv("ACCEL_XLA_FSDP_CONFIG_FILE", raising=False)
+    plugin = plugin_from_training_args(_args(fsdp=True, fsdp_config={
+        "xla": True, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "xla_fsdp_grad_ckpt": True,
+        "xla_fsdp_settings": {"flatten_parameters": False, "reshard_after_forward": False}}))
+    assert plugin.transformer_cls_names_to_wrap == ("LlamaDecoderLayer",) and plugin.activation_checkpointing
+    assert (plugin.flatten_parameters, plugin.reshard_after_forward) == (False, False)
+    plugin = plugin_from_training_args(_args(fsdp="shard_grad_op", fsdp_config={"min_num_params": 1000}))
+    wrapping = (plugin.auto_wrap_policy, plugin.min_num_params, plugin.reshard_after_forward)
+    assert wrapping == ("size_based_wrap", 1000, False)
+    assert plugin_from_training_args(_args()) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True}), "xla_fsdp_v2"),
+    (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}), "bf16=True"),
+    (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_settings": {"flatten_params": 1}}), "'flatten_params'.*valid"),
+    (dict(fsdp="full_shard offload"), "fsdp_offload_params"),
+    (dict(fsdp=True, fsdp_config={"limit_all_gatherz": True}), "unknown fsdp_config key.*limit_all_gatherz"),
+])
+def test_what_xla_fsdp_does_not_take_is_refused_by_name(monkeypatch, args, message) -> None:
+    monkeypatch.delenv("ACCEL_XLA_FSDP_CONFIG_FILE", raising=False)
+    with pytest.raises(ValueError, match=message):
+        plugin_from_training_args(_args(**args))
+
+
+def test_fp16_is_refused() -> None:
+    args = _args()
+    args.fp16 = True  # TrainingArguments itself refuses fp16 without a GPU
+    with pytest.raises(ValueError, match="fp16=True.*use bf16=True"):
+        check_precision(args)

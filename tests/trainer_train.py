@@ -1,0 +1,90 @@
+"""A stock ``transformers`` Trainer script, launched by the tests (tests/test_trainer.py).
+
+Its one change for XLA FSDP is the ``Trainer`` import: with ``USE_TORCH_XLA=0`` (the CPU
+reference, under ``torchrun`` with gloo) it imports ``transformers.Trainer``. It fine-tunes a
+tiny Llama saved by ``save_model`` (``from_pretrained`` from that folder) on generated token
+rows, with evaluation, gradient accumulation, clipping, a warmup schedule and checkpoints, and
+writes (main process) the Trainer's log history and the final evaluation to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+if os.environ.get("USE_TORCH_XLA") == "0":
+    from transformers import Trainer
+else:
+    from accel_xla_fsdp import Trainer
+
+SEQ = 16
+VOCAB = 128
+
+
+def save_model(folder: Path) -> None:
+    """The tiny Llama the runs start from (called by the test, before the launches)."""
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def dataset(rows: int, seed: int) -> Dataset:
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
+                              "labels": ids.tolist()})
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--per-device-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--save-steps", type=int, default=3)
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--resume", default=None, help="a checkpoint folder, or 'last'")
+    p.add_argument("--save-model", default=None, help="trainer.save_model(this folder) after training")
+    p.add_argument("--fsdp-config", default=None, help="TrainingArguments(fsdp=True, fsdp_config=this JSON)")
+    return p.parse_args()
+
+
+def main() -> None:
+    cli = parse()
+    args = TrainingArguments(
+        output_dir=cli.output_dir, per_device_train_batch_size=cli.per_device_batch,
+        per_device_eval_batch_size=cli.per_device_batch, gradient_accumulation_steps=2, max_steps=cli.steps,
+        learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
+        logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=cli.save_steps,
+        save_total_limit=cli.save_total_limit, report_to="none", seed=7, disable_tqdm=True,
+        fsdp=bool(cli.fsdp_config), fsdp_config=json.loads(cli.fsdp_config) if cli.fsdp_config else None,
+    )
+    model = AutoModelForCausalLM.from_pretrained(cli.model)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(64, 1), eval_dataset=dataset(16, 2))
+    resume = True if cli.resume == "last" else cli.resume
+    trainer.train(resume_from_checkpoint=resume)
+    final = trainer.evaluate()
+    if cli.save_model:
+        trainer.save_model(cli.save_model)
+    if trainer.is_world_process_zero():
+        plugin = getattr(trainer.accelerator, "xla_fsdp_plugin", None)
+        record = {"log_history": trainer.state.log_history, "final": final, "world": trainer.args.world_size,
+                  "flatten_parameters": getattr(plugin, "flatten_parameters", None)}
+        Path(cli.out).write_text(json.dumps(record))
+
+
+def _mp_fn(index: int) -> None:
+    main()
+
+
+if __name__ == "__main__":
+    main()
