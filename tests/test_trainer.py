@@ -161,7 +161,7 @@ def test_fsdp_config_keys_mean_what_the_trainer_documents(monkeypatch) -> None:
 @pytest.mark.parametrize("args, message", [
     (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True}), "xla_fsdp_v2"),
     (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}), "bf16=True"),
-    (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_settings": {"flatten_params": 1}}), "'flatten_params'.*valid"),
+    (dict(fsdp=True, fsdp_config={"xla_fsdp_settings": {"flatten_params": 1}}), "'flatten_params'.*valid"),
     (dict(fsdp="full_shard offload"), "fsdp_offload_params"),
     (dict(fsdp=True, fsdp_config={"limit_all_gatherz": True}), "unknown fsdp_config key.*limit_all_gatherz"),
 ])
