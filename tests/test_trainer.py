@@ -8,7 +8,7 @@ every 3 steps with ``save_total_limit=2``. The logged losses, gradient norms, le
 evaluation losses must agree to round-off; the saved model must load with ``from_pretrained``; a
 run resumed from ``checkpoint-6`` must repeat the unbroken run bit for bit on 4 replicas and to
 round-off on 2 (with its settings from ``TrainingArguments(fsdp_config=...)``, one shard per
-parameter, resharding the flat checkpoint).
+parameter, resharding the flat checkpoint, and ``activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 import trainer_train as script
+from accel_xla_fsdp._xla import cpu_device_env
 from accel_xla_fsdp.integration.trainer_args import check_precision, plugin_from_training_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,20 +53,33 @@ def _run(command: List[str], env: Dict[str, str], out: Path) -> Dict:
     return json.loads(out.read_text())
 
 
-def launch(out: Path, model: Path, output_dir: Path, *script_args: str, launch_args: tuple = ()) -> Dict:
-    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CPU_CONFIG), *launch_args, str(SCRIPT),
+def free_port() -> int:
+    """A port for torchrun's rendezvous (other runs on the machine may hold its default)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, model: Path, output_dir: Path, *script_args: str, launch_args: tuple = (),
+           script: Path = SCRIPT) -> Dict:
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CPU_CONFIG), *launch_args, str(script),
                "--model", str(model), "--output-dir", str(output_dir), "--out", str(out), *script_args]
     return _run(command, _env(), out)
 
 
-def on_cpu(out: Path, model: Path, output_dir: Path, *script_args: str) -> Dict:
-    command = [str(BIN / "torchrun"), "--nproc_per_node", "4", str(SCRIPT),
+def on_cpu(out: Path, model: Path, output_dir: Path, *script_args: str, script: Path = SCRIPT) -> Dict:
+    command = [str(BIN / "torchrun"), "--master_port", str(free_port()), "--nproc_per_node", "4", str(script),
                "--model", str(model), "--output-dir", str(output_dir), "--out", str(out), *script_args]
     return _run(command, _env(USE_TORCH_XLA="0", ACCELERATE_USE_CPU="1"), out)
 
 
 def by_step(record: Dict, key: str) -> Dict[int, float]:
-    return {e["step"]: e[key] for e in record["log_history"] if key in e}
+    """``key`` logged at each step: the first time (a final ``evaluate()`` logs at the last step again)."""
+    logged: Dict[int, float] = {}
+    for entry in record["log_history"]:
+        if key in entry:
+            logged.setdefault(entry["step"], entry[key])
+    return logged
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +94,7 @@ def runs(tmp_path_factory) -> Dict:
 
 def test_losses_match_the_cpu_trainer(runs) -> None:
     cpu, xla = runs["cpu"], runs["xla"]
-    assert xla["world"] == cpu["world"] == 4 and xla["flatten_parameters"] is True
+    assert xla["world"] == cpu["world"] == 4 and xla["flatten_parameters"] is True and xla["checkpointed"] == 0
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         theirs, ours = by_step(cpu, key), by_step(xla, key)
         assert sorted(ours) == sorted(theirs) and len(ours) >= 3, (key, sorted(ours))
@@ -91,6 +106,7 @@ def test_losses_match_the_cpu_trainer(runs) -> None:
     losses = by_step(xla, "loss")
     assert losses[8] < losses[1] - 0.05, "the model must train"
     assert xla["final"]["eval_loss"] == pytest.approx(cpu["final"]["eval_loss"], rel=1e-6)
+    assert by_step(xla, "total_flos") == by_step(cpu, "total_flos")
 
 
 def test_checkpoints_rotate_and_hold_the_sharded_state(runs) -> None:
@@ -110,11 +126,7 @@ def test_save_model_writes_what_from_pretrained_loads(runs) -> None:
     state = model.state_dict()
     for name, value in reference.items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    rows = script.dataset(16, 2).with_format("torch")
-    with torch.no_grad():
-        batches = [{k: rows[i : i + 2][k] for k in ("input_ids", "attention_mask", "labels")} for i in range(0, 16, 2)]
-        losses = [model(**batch).loss for batch in batches]
-    assert torch.stack(losses).mean().item() == pytest.approx(runs["cpu"]["final"]["eval_loss"], rel=1e-5)
+    assert eval_loss(model) == pytest.approx(runs["cpu"]["final"]["eval_loss"], rel=1e-5)
 
 
 def test_resume_on_the_same_replicas_is_bit_exact(runs, tmp_path) -> None:
@@ -127,18 +139,64 @@ def test_resume_on_the_same_replicas_is_bit_exact(runs, tmp_path) -> None:
 
 
 def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path) -> None:
+    # Also activation_checkpointing=True: the Trainer's checkpointing of the Llama blocks becomes
+    # the engine's (the same gradients).
     shutil.copytree(runs["tmp"] / "xla_out", tmp_path / "out")
     settings = {"xla": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                 "xla_fsdp_settings": {"flatten_parameters": False}}
     resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--per-device-batch", "4",
                      "--resume", str(tmp_path / "out" / "checkpoint-6"), "--fsdp-config", json.dumps(settings),
-                     launch_args=("--num_processes", "2"))
-    assert resumed["world"] == 2 and resumed["flatten_parameters"] is False
+                     "--activation-checkpointing", launch_args=("--num_processes", "2"))
+    assert resumed["world"] == 2 and resumed["flatten_parameters"] is False and resumed["checkpointed"] == 2
     for key in ("loss", "grad_norm", "eval_loss"):
         ours, unbroken = by_step(resumed, key), by_step(runs["xla"], key)
         assert sorted(ours) == sorted(unbroken)
         for step in ours:
             assert ours[step] == pytest.approx(unbroken[step], rel=1e-5), (key, step)
+
+
+def test_the_trainers_own_xla_fsdp_files_convert(runs, tmp_path) -> None:
+    # rank0-of-2-pytorch_model.bin, rank1-of-2-...: written by transformers' own XLA FSDP save.
+    env = {**_env(), **cpu_device_env(2)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer_xla_save.py"), str(runs["tmp"] / "model"),
+                           str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rank_files = sorted(p.name for p in (tmp_path / "ckpt").glob("rank*"))
+    assert rank_files == [f"rank{r}-of-2-pytorch_model.bin" for r in (0, 1)]
+    converted = tmp_path / "converted"
+    done = subprocess.run([sys.executable, "-m", "accel_xla_fsdp", "convert-torch-xla", str(tmp_path / "ckpt"),
+                           str(converted), "--config", str(runs["tmp"] / "model" / "config.json")],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    original = AutoModelForCausalLM.from_pretrained(runs["tmp"] / "model").state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(converted).state_dict()
+    assert sorted(loaded) == sorted(original)
+    for name, value in original.items():
+        assert torch.equal(loaded[name], value), name
+
+
+def eval_loss(model: torch.nn.Module) -> float:
+    """The Trainer's evaluation loss of ``model`` on the script's evaluation rows, on the CPU."""
+    rows = script.dataset(16, 2).with_format("torch")
+    with torch.no_grad():
+        batches = [{k: rows[i : i + 2][k] for k in ("input_ids", "attention_mask", "labels")} for i in range(0, 16, 2)]
+        return torch.stack([model(**batch).loss for batch in batches]).mean().item()
+
+
+def test_peft_adapter_saves_what_it_trained(runs, tmp_path) -> None:
+    from peft import PeftModel
+
+    run = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--lora", "--steps", "4",
+                 "--learning-rate", "5e-2",
+                 "--save-model", str(tmp_path / "adapter"))
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in name for name in saved), sorted(saved)
+    assert any(v.abs().max() > 0 for n, v in saved.items() if "lora_B" in n), "the adapter must have trained"
+    base = AutoModelForCausalLM.from_pretrained(runs["tmp"] / "model")
+    untrained = eval_loss(base)
+    tuned = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert eval_loss(tuned) == pytest.approx(run["final"]["eval_loss"], rel=1e-6)
+    assert abs(eval_loss(tuned) - untrained) > 1e-3, "the adapter must change the model"
 
 
 def _args(**kwargs) -> TrainingArguments:

@@ -43,6 +43,12 @@ def dataset(rows: int, seed: int) -> Dataset:
                               "labels": ids.tolist()})
 
 
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -54,6 +60,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'last'")
     p.add_argument("--save-model", default=None, help="trainer.save_model(this folder) after training")
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) on q_proj and v_proj")
     p.add_argument("--fsdp-config", default=None, help="TrainingArguments(fsdp=True, fsdp_config=this JSON)")
     return p.parse_args()
 
@@ -63,12 +72,16 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=cli.output_dir, per_device_train_batch_size=cli.per_device_batch,
         per_device_eval_batch_size=cli.per_device_batch, gradient_accumulation_steps=2, max_steps=cli.steps,
-        learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
+        learning_rate=cli.learning_rate, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2,
+        max_grad_norm=0.5,
         logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=cli.save_steps,
         save_total_limit=cli.save_total_limit, report_to="none", seed=7, disable_tqdm=True,
+        activation_checkpointing=cli.activation_checkpointing,
         fsdp=bool(cli.fsdp_config), fsdp_config=json.loads(cli.fsdp_config) if cli.fsdp_config else None,
     )
     model = AutoModelForCausalLM.from_pretrained(cli.model)
+    if cli.lora:
+        model = with_lora(model)
     trainer = Trainer(model=model, args=args, train_dataset=dataset(64, 1), eval_dataset=dataset(16, 2))
     resume = True if cli.resume == "last" else cli.resume
     trainer.train(resume_from_checkpoint=resume)
@@ -77,8 +90,11 @@ def main() -> None:
         trainer.save_model(cli.save_model)
     if trainer.is_world_process_zero():
         plugin = getattr(trainer.accelerator, "xla_fsdp_plugin", None)
+        # checkpoint_module replaces a block's forward on the instance
+        forwards = [vars(m).get("forward") for m in trainer.model.modules()]
+        checkpointed = sum(1 for f in forwards if getattr(f, "__qualname__", "").startswith("checkpoint_module"))
         record = {"log_history": trainer.state.log_history, "final": final, "world": trainer.args.world_size,
-                  "flatten_parameters": getattr(plugin, "flatten_parameters", None)}
+                  "flatten_parameters": getattr(plugin, "flatten_parameters", None), "checkpointed": checkpointed}
         Path(cli.out).write_text(json.dumps(record))
 
 

@@ -86,6 +86,9 @@ class _OnXlaFsdp:
         else:
             self._xla_fsdp_plugin = None
         super().__init__(model, args, *rest, **kwargs)
+        # Counted now: once sharded, the model's own parameters hold no data (size 0).
+        counter = getattr(self.model, "num_parameters", None)
+        self._parameter_count = counter(exclude_embeddings=True) if callable(counter) else None
 
     def create_accelerator_and_postprocess(self) -> None:
         _building.active, _building.plugin = True, self._xla_fsdp_plugin
@@ -102,6 +105,14 @@ class _OnXlaFsdp:
         if kwargs.get("fused"):
             kwargs = {**kwargs, "fused": False}
         return optimizer_cls, kwargs
+
+    def floating_point_ops(self, inputs: Dict[str, Any]) -> int:
+        """The Trainer's estimate (6 x tokens x non-embedding parameters), with the parameters
+        counted before sharding."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self._sharded_model() is None or self._parameter_count is None or main_input not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main_input].numel() * self._parameter_count
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing: ``prepare()`` places the model's shards (with ``fsdp_cpu_ram_efficient_loading``
@@ -179,3 +190,16 @@ class Trainer(_OnXlaFsdp, transformers.Trainer):
 
 class Seq2SeqTrainer(_OnXlaFsdp, transformers.Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` training with XLA FSDP (module docstring)."""
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None,
+                        **gen_kwargs: Any) -> Any:
+        """With ``predict_with_generate`` the Seq2SeqTrainer calls ``self.model.generate``: here the
+        sharded model's, which gathers every unit once for the whole generation (the unwrapped
+        model's parameters hold no data outside a forward). Every replica calls it (the Trainer does)."""
+        unwrapped, sharded = self.model, self._sharded_model()
+        if sharded is not None:
+            self.model = sharded
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+        finally:
+            self.model = unwrapped
