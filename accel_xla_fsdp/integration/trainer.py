@@ -19,6 +19,9 @@ classes (transformers 5.24), and why:
   path would write the optimizer of rank 0 alone (``xm.save``), which on shards is a fraction of
   it. Resuming loads them after ``prepare()``; ``load_best_model_at_end`` loads the best one's
   model. ``save_model(dir)`` writes the whole model in the Hugging Face layout.
+- ``Seq2SeqTrainer``'s ``predict_with_generate`` generates through the sharded model; the
+  default fused AdamW runs unfused (no fused kernel for XLA tensors); ``total_flos`` counts the
+  parameters as they were before sharding, over every replica.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ from .accelerator import Accelerator, XlaDataLoader
 from .trainer_args import check_precision, plugin_from_training_args
 
 SHARDED_DIR = "xla_fsdp_0"
-_building = threading.local()
+_building = threading.local()  # the plugin of the Trainer building its Accelerator in this thread
 # The Trainer reads its random states under torch's safe globals, a process-wide list that it sets
 # and clears: XLA:CPU replica threads loading at once cleared each other's, and a replica failed
 # to unpickle NumPy's state (seen). One replica at a time reads them.
-_rng_files = threading.Lock()  # the plugin of the Trainer building its Accelerator in this thread
+_rng_files = threading.Lock()
 
 
 def _accelerator(*args: Any, **kwargs: Any) -> accelerate.Accelerator:
@@ -113,6 +116,15 @@ class _OnXlaFsdp:
         if self._sharded_model() is None or self._parameter_count is None or main_input not in inputs:
             return super().floating_point_ops(inputs)
         return 6 * inputs[main_input].numel() * self._parameter_count
+
+    def store_flos(self) -> None:
+        """Every replica's floating-point operations summed, as the Trainer does over processes
+        (on XLA it keeps its own replica's only). Every replica calls it (the Trainer does)."""
+        if self._sharded_model() is None:
+            return super().store_flos()
+        mine = torch.tensor(float(self.current_flos), device=self.args.device)
+        self.state.total_flos += self.accelerator.reduce(mine, "sum").item()
+        self.current_flos = 0
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing: ``prepare()`` places the model's shards (with ``fsdp_cpu_ram_efficient_loading``
