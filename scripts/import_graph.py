@@ -43,9 +43,11 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("integration.tqdm_lock", "integration.replica_threads", "integration.script_logging"),
     ("integration.replica_seeds",),
     ("integration.plugin",),
+    ("integration.trainer_args",),
     ("integration.launch", "integration.optimizer"),
     ("integration.pretrained_loading", "integration.checkpoints"),
     ("integration.accelerator",),
+    ("integration.trainer",),
     ("integration",),
     ("cli",),
     ("",),  # the package's __init__

@@ -5,9 +5,10 @@ for anything sharded (the smallest count with a collective and a shard that is n
 tensor), 4 only where the test is about more replicas than that (resharding 4 -> 2, a launch of
 4 replica threads), 1 never on its own (a single device shards nothing the 2-device runs do not).
 Left out: the compiled-byte tests of test_memory.py (each compiles a dozen programs in a process
-of its own, 40 s and more), the 4-replica launches of test_accelerate.py, test_launch.py and
-test_replica_failure.py, the fuzz and the killed saves. The full suite (`bash scripts/test.sh`,
-CI) runs every test at 1, 2 and 4 devices and all of those; run it before committing.
+of its own, 40 s and more), the 4-replica launches of test_accelerate.py, test_launch.py,
+test_trainer.py, test_trainer_tasks.py and test_replica_failure.py, the fuzz and the killed saves.
+The full suite (`bash scripts/test.sh`, CI) runs every test at 1, 2 and 4 devices and all of those;
+run it before committing.
 
 An entry is a test id below tests/: a file, a test (all its parameters) or one parametrized case.
 An entry that matches no test stops the run, so a renamed test cannot drop out unseen.
@@ -83,6 +84,8 @@ QUICK: Tuple[Tuple[str, str], ...] = (
      "integration/replica_seeds.py (the same launch)"),
     ("test_launch_habits.py::test_tied_from_pretrained_inside_main_loads_into_shards", "(the same launch)"),
     ("test_replica_datasets.py::test_replica_threads_take_turns_through_tqdm_lock", "integration/tqdm_lock.py"),
+    ("test_trainer.py::test_fsdp_config_keys_mean_what_the_trainer_documents", "integration/trainer_args.py"),
+    ("test_trainer.py::test_what_xla_fsdp_does_not_take_is_refused_by_name", "trainer_args errors"),
     ("test_docs.py", "the settings table and the docs' links"),
     ("test_quick_tier.py", "this selection"),
 )
