@@ -358,4 +358,10 @@ def _iterated_in_place(prepared: Any, device: torch.device) -> Any:
     if not isinstance(prepared, MpDeviceLoaderWrapper) or not isinstance(prepared._loader, DataLoaderShard):
         return prepared
     prepared._loader.device = device
+    base = prepared._loader.base_dataloader
+    if base.generator is not None and base.generator is prepared._loader.synchronized_generator:
+        # Accelerate's XLA branch gives the loader the sampler's generator, so every epoch's
+        # worker seed is drawn from it; on GPUs (and CPU processes) it comes from torch's generator,
+        # which the collator's masks draw from next. As there: same order, same masks.
+        base.generator = None
     return XlaDataLoader(prepared._loader, prepared._rng_types)
