@@ -44,7 +44,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("integration.replica_seeds",),
     ("integration.plugin",),
     ("integration.launch", "integration.optimizer"),
-    ("integration.pretrained_loading", "integration.checkpoints"),
+    ("integration.pretrained_loading", "integration.checkpoints", "integration.unwrapped_generate"),
     ("integration.accelerator",),
     ("integration",),
     ("cli",),

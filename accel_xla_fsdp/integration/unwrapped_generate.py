@@ -15,7 +15,6 @@ import functools
 from typing import Any
 
 from ..fsdp import XlaFullyShardedDataParallel
-from ..state_dict import named_units
 
 
 def route_generate(wrapper: XlaFullyShardedDataParallel) -> None:
@@ -24,10 +23,10 @@ def route_generate(wrapper: XlaFullyShardedDataParallel) -> None:
     own = getattr(type(inner), "generate", None)
     if own is None:
         return
-    units = [unit for _, unit in named_units(wrapper)]
 
     @functools.wraps(own)
     def generate(*args: Any, **kwargs: Any) -> Any:
+        units = [unit for _, unit in wrapper.unit_state.named_units()]
         if all(unit.params_gathered for unit in units):  # inside the wrapper's generate (or summon_full_params)
             return own(inner, *args, **kwargs)
         return wrapper.generate(*args, **kwargs)
