@@ -45,7 +45,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("integration.plugin",),
     ("integration.trainer_args",),
     ("integration.launch", "integration.optimizer"),
-    ("integration.pretrained_loading", "integration.checkpoints"),
+    ("integration.pretrained_loading", "integration.checkpoints", "integration.unwrapped_generate"),
     ("integration.accelerator",),
     ("integration.trainer",),
     ("integration",),

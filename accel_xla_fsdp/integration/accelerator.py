@@ -40,6 +40,7 @@ from ..state_dict import shards_by_name
 from . import checkpoints, launch, pretrained_loading, replica_threads, script_logging
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin
+from .unwrapped_generate import route_generate
 
 logger = get_logger(__name__)
 
@@ -133,6 +134,7 @@ class Accelerator(accelerate.Accelerator):
             flat_shard_key=flat_shard_key, param_init_fn=source,
         )
         logger.info(f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units")
+        route_generate(wrapped)  # unwrap_model(model).generate(...), as transformers' seq2seq examples call it
         return wrapped
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
@@ -358,4 +360,10 @@ def _iterated_in_place(prepared: Any, device: torch.device) -> Any:
     if not isinstance(prepared, MpDeviceLoaderWrapper) or not isinstance(prepared._loader, DataLoaderShard):
         return prepared
     prepared._loader.device = device
+    base = prepared._loader.base_dataloader
+    if base.generator is not None and base.generator is prepared._loader.synchronized_generator:
+        # Accelerate's XLA branch gives the loader the sampler's generator, so every epoch's
+        # worker seed is drawn from it; on GPUs (and CPU processes) it comes from torch's generator,
+        # which the collator's masks draw from next. As there: same order, same masks.
+        base.generator = None
     return XlaDataLoader(prepared._loader, prepared._rng_types)

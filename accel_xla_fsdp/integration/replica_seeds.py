@@ -1,25 +1,38 @@
-"""``set_seed`` then building a model, in replica threads: each replica draws from its own seed.
+"""torch's CPU generator in replica threads: each replica draws from its own, as a process would.
 
-On XLA:CPU the replicas are threads of one process and share torch's one CPU generator: a
-``set_seed(42)`` in every replica followed by ``from_config`` interleaves the replicas' seeding
+On XLA:CPU the replicas are threads of one process and share torch's one CPU generator. A
+``set_seed(42)`` in every replica followed by ``from_config`` interleaved the replicas' seeding
 and drawing, and gave another initial model on every run (0.13 max weight difference between two
-identical runs, measured). torch's generator cannot be made per-thread, so the model builders
-are: ``torch.manual_seed`` (which Accelerate's and transformers' ``set_seed`` call) in a replica
-thread also remembers the seeded state for that thread, and a model built by ``from_config`` or
-``from_pretrained`` (its newly initialized weights) in that thread draws from the thread's state,
-under the lock that builds one model at a time, continuing where its last build stopped. So
-every replica builds the model a process of its own seeded with that seed would, on every run,
-as long as nothing else in the thread drew from torch's generator between the seed and the
-build (such draws come from the shared generator, as before). On a TPU (one process per chip)
-none of this is used.
+identical runs, measured); ``DataCollatorForLanguageModeling`` drew each replica's masks from
+the same shared stream, so which replica got which mask depended on thread timing. torch's
+default generator cannot be made per-thread, so:
+
+* ``torch.manual_seed`` (which Accelerate's and transformers' ``set_seed`` call) in a replica
+  thread gives that thread a ``torch.Generator`` of its own, seeded alike (and seeds the
+  process's as before).
+* After that, torch's Python-level random functions called in the thread on CPU tensors without
+  a generator (``torch.bernoulli``, ``rand``, ``randn``, ``randint``, ``randperm``, ``normal``,
+  ``multinomial``, ``poisson`` and the ``Tensor`` methods ``random_``, ``uniform_``, ``normal_``,
+  ``bernoulli_``, ... that ``nn.init`` and the dataloader's seed use) are given the thread's
+  generator, and ``torch.get_rng_state``/``set_rng_state`` (Accelerate's ``save_state`` and
+  ``load_state``) read and write it. A CPU generator with the same state gives the same numbers
+  as the default one, so every replica draws what a process of its own seeded alike would.
+* A model built by ``from_config`` or ``from_pretrained`` (pretrained_loading.py) draws with the
+  process's generator holding the thread's state, under the lock that builds one model at a
+  time, so draws inside C++ code are covered as well.
+
+Not covered: draws made inside C++ without a Python call (``F.dropout`` on CPU tensors: on XLA
+tensors dropout uses the XLA generator), Python's ``random`` and NumPy's global generators (one
+per process; ``set_seed`` seeds them too). XLA tensors draw from the device's generator and are
+left alone. On a TPU (one process per chip) none of this is used.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -28,43 +41,110 @@ from .. import _xla
 # One model is built at a time in the process (transformers 5's loading is not thread-safe
 # either: see pretrained_loading.py); seeding waits for a build in progress.
 BUILDING = threading.RLock()
-_thread_states: "weakref.WeakKeyDictionary[threading.Thread, torch.Tensor]" = weakref.WeakKeyDictionary()
+_own = threading.local()  # .generator: this replica thread's, once it seeded; .building: in a build
+_ROUTED_FUNCTIONS = ("bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm")
+_ROUTED_METHODS = (
+    "bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "multinomial", "normal_",
+    "random_", "uniform_",
+)
+_originals: Dict[str, Callable[..., Any]] = {}
 
 
 def install() -> None:
-    """Patch ``torch.manual_seed`` (once per process)."""
+    """Patch torch's seeding, state and random functions (once per process)."""
     if getattr(torch.manual_seed, "accel_xla_fsdp", False):
         return
-    patched = _remembering_seed(torch.manual_seed)
-    torch.manual_seed = torch.random.manual_seed = patched
+    _originals.update(get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state)
+    torch.manual_seed = torch.random.manual_seed = _own_seed(torch.manual_seed)
+    torch.get_rng_state = torch.random.get_rng_state = _own_get_state(torch.get_rng_state)
+    torch.set_rng_state = torch.random.set_rng_state = _own_set_state(torch.set_rng_state)
+    for name in _ROUTED_FUNCTIONS:
+        setattr(torch, name, _routed(getattr(torch, name)))
+    for name in _ROUTED_METHODS:
+        setattr(torch.Tensor, name, _routed(getattr(torch.Tensor, name)))
 
 
-def _remembering_seed(original: Callable[[int], Any]) -> Callable[[int], Any]:
+def thread_state_generator() -> Optional[torch.Generator]:
+    """This replica thread's own CPU generator (None: it has not seeded one, or is in a build)."""
+    if getattr(_own, "building", False):
+        return None
+    return getattr(_own, "generator", None)
+
+
+def _own_seed(original: Callable[[int], Any]) -> Callable[[int], Any]:
+    @functools.wraps(original)
     def manual_seed(seed: int) -> Any:
         if not _xla.replicas_are_threads():
             return original(seed)
-        with BUILDING:
-            _thread_states[threading.current_thread()] = torch.Generator().manual_seed(int(seed)).get_state()
+        with BUILDING:  # not while a build holds the process's generator
+            _own.generator = torch.Generator().manual_seed(int(seed))
             return original(seed)
 
-    manual_seed.__doc__ = original.__doc__
     manual_seed.accel_xla_fsdp = True
     return manual_seed
+
+
+def _own_get_state(original: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    @functools.wraps(original)
+    def get_rng_state() -> torch.Tensor:
+        own = thread_state_generator()
+        return original() if own is None else own.get_state()
+
+    return get_rng_state
+
+
+def _own_set_state(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    @functools.wraps(original)
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        own = thread_state_generator()
+        if own is None:
+            original(new_state)
+        else:
+            own.set_state(new_state)
+
+    return set_rng_state
+
+
+def _routed(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` drawing from the calling replica thread's generator when it has one, the call
+    names no generator (or ``generator=None``, as the collators and the dataloader pass) and the
+    result lives on the CPU."""
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        own = thread_state_generator()
+        if own is not None and kwargs.get("generator") is None and _draws_on_cpu(args, kwargs):
+            kwargs["generator"] = own
+        return original(*args, **kwargs)
+
+    return routed
+
+
+def _draws_on_cpu(args: tuple, kwargs: Dict[str, Any]) -> bool:
+    """Whether the call's tensors (the first one found) or its ``device`` are on the CPU."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    device = kwargs.get("device")
+    return torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
 
 
 @contextmanager
 def thread_generator() -> Iterator[None]:
     """Under ``BUILDING``: torch's CPU generator holds this replica thread's own state (if it
-    seeded one) for the block, and the process's state again after it."""
+    seeded one) for the block, and the process's state again after it; the thread's generator
+    continues where the block stopped. A block inside a block changes nothing."""
     with BUILDING:
-        own = _thread_states.get(threading.current_thread())
+        own = thread_state_generator()
         if own is None:
             yield
             return
-        shared = torch.get_rng_state()
-        torch.set_rng_state(own)
+        shared = _originals["get_rng_state"]()
+        _originals["set_rng_state"](own.get_state())
+        _own.building = True
         try:
             yield
         finally:
-            _thread_states[threading.current_thread()] = torch.get_rng_state()
-            torch.set_rng_state(shared)
+            _own.building = False
+            own.set_state(_originals["get_rng_state"]())
+            _originals["set_rng_state"](shared)
