@@ -441,7 +441,9 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
     if not replicas_are_threads():
         return _original_rendezvous(tag, payload, list(replicas))
     if replicas and sorted(replicas) != list(range(world_size())):
-        raise NotImplementedError(f"xm.rendezvous('{tag}') among some replicas only ({list(replicas)}) on XLA:CPU threads")
+        raise NotImplementedError(
+            f"xm.rendezvous('{tag}') among some replicas only ({list(replicas)}) on XLA:CPU threads"
+        )
     return exchange(payload, tag)
 
 
@@ -555,7 +557,9 @@ def all_gather(tensor: torch.Tensor, groups: Groups, pin_layout: bool) -> torch.
         # first fetches the all-reduce token, which that path never uses: a traced device-data
         # node per call, a third of the call's host time, paid twice per parameter and step.
         groups = _cpu_groups(groups)
-        return torch_xla._XLAC._xla_all_gather(tensor, 0, len(groups[0]), groups, False, _next_channel_id(tensor), True)
+        return torch_xla._XLAC._xla_all_gather(
+            tensor, 0, len(groups[0]), groups, False, _next_channel_id(tensor), True
+        )
     return xm.all_gather(tensor, dim=0, groups=groups, pin_layout=pin_layout)
 
 
@@ -576,8 +580,13 @@ def reduce_scatter_sum(
             use_global_device_ids=True,
         )
     return xm.reduce_scatter(
-        xm.REDUCE_SUM, tensor, scale=scale, scatter_dim=0, shard_count=shard_count,
-        groups=groups, pin_layout=pin_layout,
+        xm.REDUCE_SUM,
+        tensor,
+        scale=scale,
+        scatter_dim=0,
+        shard_count=shard_count,
+        groups=groups,
+        pin_layout=pin_layout,
     )
 
 
@@ -615,8 +624,13 @@ def reduce_scatter_sum_coalesced(
         return [reduce_scatter_sum(tensors[0], shard_count, scale, groups, pin_layout)]
     if not on_cpu():
         return xm.reduce_scatter(
-            xm.REDUCE_SUM, list(tensors), scale=scale, scatter_dim=0, shard_count=shard_count,
-            groups=groups, pin_layout=pin_layout,
+            xm.REDUCE_SUM,
+            list(tensors),
+            scale=scale,
+            scatter_dim=0,
+            shard_count=shard_count,
+            groups=groups,
+            pin_layout=pin_layout,
         )
     rows = [t.reshape(shard_count, -1) for t in tensors]
     reduced = reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), shard_count, scale, groups, pin_layout=False)
@@ -631,5 +645,3 @@ def all_reduce(tensor: torch.Tensor, op: str, groups: Groups, pin_layout: bool) 
         return stacked.sum(0) if op == "sum" else stacked.amax(0)
     reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
     return xm.all_reduce(reduce_type, tensor, groups=groups, pin_layout=pin_layout)
-
-

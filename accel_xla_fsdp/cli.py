@@ -57,13 +57,24 @@ def _size(text: str) -> int:
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
     """The options of the Hugging Face folder written (both commands)."""
-    parser.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
-                        help="largest weights file, e.g. 5GB, 500MB or a number of bytes (default: 5GB)")
-    parser.add_argument("--config", metavar="PATH",
-                        help="model config (config.json or a folder holding one) to write beside the weights; "
-                             "without it no buffers are written and tied weights keep their first name")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                        help="cast floating tensors to this dtype (default: as saved)")
+    parser.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest weights file, e.g. 5GB, 500MB or a number of bytes (default: 5GB)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="model config (config.json or a folder holding one) to write beside the weights; "
+        "without it no buffers are written and tied weights keep their first name",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="cast floating tensors to this dtype (default: as saved)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -72,19 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-xla-fsdp", description="Tools for accel-xla-fsdp checkpoints.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     c = commands.add_parser(
-        "consolidate", help="write a sharded checkpoint as a Hugging Face model folder",
-        description=CONSOLIDATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "consolidate",
+        help="write a sharded checkpoint as a Hugging Face model folder",
+        description=CONSOLIDATE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="the checkpoint directory (holding checkpoint.json)")
     c.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
     _add_output_options(c)
-    c.add_argument("--optimizer", action="store_true",
-                   help="also write the full optimizer state: optimizer.safetensors (<param name>.<state>) "
-                        "and optimizer.json (type, hyper-parameters, parameter names)")
+    c.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="also write the full optimizer state: optimizer.safetensors (<param name>.<state>) "
+        "and optimizer.json (type, hyper-parameters, parameter names)",
+    )
     c.set_defaults(run=_consolidate)
     t = commands.add_parser(
-        "convert-torch-xla", help="write torch_xla FSDP (or Trainer) rank files as a Hugging Face model folder",
-        description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "convert-torch-xla",
+        help="write torch_xla FSDP (or Trainer) rank files as a Hugging Face model folder",
+        description=CONVERT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("input", metavar="INPUT", help="the directory holding the rank files, or one of them")
     t.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
@@ -97,8 +115,14 @@ def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint.consolidate import consolidate
 
     out = consolidate(
-        args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size, config=args.config,
-        dtype=args.dtype, optimizer=args.optimizer, overwrite=args.overwrite, progress=args.progress,
+        args.checkpoint_dir,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        config=args.config,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        overwrite=args.overwrite,
+        progress=args.progress,
     )
     print(f"wrote {out}")
     return 0
@@ -108,8 +132,13 @@ def _convert(args: argparse.Namespace) -> int:
     from .checkpoint.consolidate import convert_torch_xla
 
     out = convert_torch_xla(
-        args.input, args.output_dir, max_shard_size=args.max_shard_size, config=args.config,
-        dtype=args.dtype, overwrite=args.overwrite, progress=args.progress,
+        args.input,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        config=args.config,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=args.progress,
     )
     print(f"wrote {out}")
     return 0

@@ -268,8 +268,12 @@ def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs
 
 
 def build_groups(
-    module: nn.Module, options: FsdpOptions, sharding: ShardingGroup, device: torch.device,
-    source: Optional[ShardSource], flat_shard_key: Optional[FlatShardKey],
+    module: nn.Module,
+    options: FsdpOptions,
+    sharding: ShardingGroup,
+    device: torch.device,
+    source: Optional[ShardSource],
+    flat_shard_key: Optional[FlatShardKey],
 ) -> List[ShardedParamGroup]:
     """The parameter groups of the unit wrapping ``module``: the parameters no inner unit owns,
     checked, replaced in their modules by full parameters on ``device``, and sharded (read from
@@ -300,7 +304,10 @@ def build_groups(
 
 
 def _make_group(
-    entries: List[_Entry], flat_index: Optional[int], options: FsdpOptions, sharding: ShardingGroup,
+    entries: List[_Entry],
+    flat_index: Optional[int],
+    options: FsdpOptions,
+    sharding: ShardingGroup,
     device: torch.device,
 ) -> ShardedParamGroup:
     """A group of (full parameter, original parameter, name) entries; flat if ``flat_index``."""
@@ -312,20 +319,30 @@ def _make_group(
         full, orig, name = entries[0]
         orig_name = f"{WRAPPED_MODULE}.{name}"
         spec = ShardSpec(
-            shard_param_name(orig_name), orig_name, orig.shape,
+            shard_param_name(orig_name),
+            orig_name,
+            orig.shape,
             dim0=options.shard_param_on_dim_0 and orig.dim() > 0,
         )
     else:
         _check_same_dtype(entries)
         orig_name = f"{WRAPPED_MODULE}.flat_param_{flat_index}"
         spec = ShardSpec(
-            shard_param_name(orig_name), orig_name, torch.Size([offset]), dim0=False,
+            shard_param_name(orig_name),
+            orig_name,
+            torch.Size([offset]),
+            dim0=False,
             flat_names=tuple(name for _, _, name in entries),
             flat_shapes=tuple(orig.shape for _, orig, _ in entries),
         )
     return ShardedParamGroup(
-        slots, [orig.detach() for _, orig, _ in entries], spec, options, sharding,
-        device, requires_grad=entries[0][1].requires_grad,
+        slots,
+        [orig.detach() for _, orig, _ in entries],
+        spec,
+        options,
+        sharding,
+        device,
+        requires_grad=entries[0][1].requires_grad,
     )
 
 

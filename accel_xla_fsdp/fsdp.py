@@ -91,7 +91,10 @@ class XlaFullyShardedDataParallel(nn.Module):
     # -- construction -----------------------------------------------------------------------
 
     def _init_unit(
-        self, module: nn.Module, options: FsdpOptions, source: Optional[ShardSource],
+        self,
+        module: nn.Module,
+        options: FsdpOptions,
+        source: Optional[ShardSource],
         flat_shard_key: Optional[FlatShardKey],
     ) -> None:
         if options.use_xla_patched_linear:
@@ -269,6 +272,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         """Nothing to do: weights tied before wrapping stay tied (one parameter, sharded in one
         unit). transformers' examples call ``model.tie_weights()`` after ``prepare()`` on XLA;
         passed on to the wrapped model, it looks for the tied names among flat shards and fails."""
+
     # -- nn.Module plumbing -----------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:

@@ -27,13 +27,19 @@ _SAME = object()
 
 
 def _option(
-    default: Any, help: str, *, accelerate: Optional[str] = None, argument: Optional[str] = None,
+    default: Any,
+    help: str,
+    *,
+    accelerate: Optional[str] = None,
+    argument: Optional[str] = None,
     accelerate_default: Any = _SAME,
 ) -> Any:
     """A field of the table: ``argument`` is the wrapper's spelling when it is not the field name;
     ``accelerate_default`` the Accelerate plugin's default where it differs from torch_xla's."""
     metadata = {
-        "help": help, "accelerate": accelerate, "argument": argument,
+        "help": help,
+        "accelerate": accelerate,
+        "argument": argument,
         "accelerate_default": default if accelerate_default is _SAME else accelerate_default,
     }
     return field(default=default, metadata=metadata)
@@ -50,82 +56,102 @@ class FsdpOptions:
     """
 
     reshard_after_forward: bool = _option(
-        True, "Free full parameters after forward and gather them again for backward (ZeRO-3).",
+        True,
+        "Free full parameters after forward and gather them again for backward (ZeRO-3).",
         accelerate="fsdp_reshard_after_forward",
     )
     flatten_parameters: bool = _option(
-        False, "One flat shard per unit (one gather, one reduce-scatter) instead of one per parameter; "
+        False,
+        "One flat shard per unit (one gather, one reduce-scatter) instead of one per parameter; "
         "trainable and frozen parameters are flattened separately, and under Accelerate so are the "
         "param groups of the optimizers prepared with the model. torch_xla's default is per "
         "parameter; Accelerate's is flat (as its own FSDP's): a faster step and less host time "
         "(docs/performance.md). Per parameter to freeze single parameters after prepare() or to shard "
         "on dim 0.",
-        accelerate="xla_fsdp_flatten_parameters", accelerate_default=True,
+        accelerate="xla_fsdp_flatten_parameters",
+        accelerate_default=True,
     )
     execute_sharding_on_init: bool = _option(
-        True, "Run the sharding program at once when wrapping, freeing the full parameters.",
+        True,
+        "Run the sharding program at once when wrapping, freeing the full parameters.",
     )
     optimization_barrier_in_forward: bool = _option(
-        True, "Optimization barriers around each forward gather and free, so the compiler can neither "
+        True,
+        "Optimization barriers around each forward gather and free, so the compiler can neither "
         "merge the backward gather into the forward one nor move gathers across other units.",
     )
     optimization_barrier_in_backward: bool = _option(
-        True, "Optimization barriers around each backward gather and reduce-scatter (same reason).",
+        True,
+        "Optimization barriers around each backward gather and reduce-scatter (same reason).",
     )
     sync_on_finalization: bool = _option(
-        False, "Cut the graph after backward, before the optimizer step.",
+        False,
+        "Cut the graph after backward, before the optimizer step.",
     )
     disable_reshard_on_root: bool = _option(
-        True, "The root unit keeps its parameters from forward to backward, which starts right after it.",
+        True,
+        "The root unit keeps its parameters from forward to backward, which starts right after it.",
     )
     compute_dtype: Optional[torch.dtype] = _option(
-        None, "Dtype of gathered parameters and floating inputs (None: float32). Shards, gradients and "
+        None,
+        "Dtype of gathered parameters and floating inputs (None: float32). Shards, gradients and "
         "optimizer state stay in the parameters' own dtype.",
     )
     buffer_dtype: Optional[torch.dtype] = _option(
-        None, "Dtype of floating buffers (None: the compute dtype).",
+        None,
+        "Dtype of floating buffers (None: the compute dtype).",
     )
     fp32_reduce_scatter: bool = _option(
-        False, "Reduce gradients in float32 when computing in a lower precision.",
+        False,
+        "Reduce gradients in float32 when computing in a lower precision.",
     )
     sharding_groups: Optional[List[List[int]]] = _option(
-        None, "The replicas each parameter is sharded across, as groups of global ranks (None: all).",
+        None,
+        "The replicas each parameter is sharded across, as groups of global ranks (None: all).",
     )
     sharding_rank: Optional[int] = _option(None, "This replica's position in its sharding group.")
     sharding_world_size: Optional[int] = _option(None, "The size of each sharding group.")
     shard_param_on_dim_0: bool = _option(
-        False, "Without flattening, shard each parameter along dim 0, keeping its trailing shape.",
+        False,
+        "Without flattening, shard each parameter along dim 0, keeping its trailing shape.",
         accelerate="xla_fsdp_shard_param_on_dim_0",
     )
     pin_layout_in_collective_ops: bool = _option(
-        True, "torch_xla's layout pinning of collectives (the XLA:CPU form never pins).",
+        True,
+        "torch_xla's layout pinning of collectives (the XLA:CPU form never pins).",
     )
     reduce_scatter_bucket_size_mb: Optional[float] = _option(
-        0, "Reduce-scatter a unit's gradients in buckets, one collective per bucket: a bucket is "
+        0,
+        "Reduce-scatter a unit's gradients in buckets, one collective per bucket: a bucket is "
         "reduced once it holds more than this many MiB (torch_xla's rule), the rest when the unit's "
         "backward ends (0: one reduce-scatter per parameter group). torch_xla takes an int; a float "
         "is accepted too, for blocks smaller than 1 MiB.",
     )
     coalesce_all_gather_ops: bool = _option(
-        False, "Gather all of a unit's parameter groups in one collective (on XLA:CPU, their shards "
+        False,
+        "Gather all of a unit's parameter groups in one collective (on XLA:CPU, their shards "
         "packed into one all-gather).",
     )
     backward_prefetch: bool = _option(
-        False, "In a unit's pre-backward hook also gather the unit backward needs next (PyTorch's "
+        False,
+        "In a unit's pre-backward hook also gather the unit backward needs next (PyTorch's "
         "BACKWARD_PRE). Off by default: measured on the benchmark's Llama it holds one more block's "
         "full parameters (+4% bytes at 2 devices, +10% at 4) for a step-time gain that did not hold "
         "at 4 devices.",
         accelerate="fsdp_backward_prefetch",
     )
     shard_size_multiple: Optional[int] = _option(
-        None, "Pad shards to a multiple of this many elements per replica (None: 128 on a TPU, for "
+        None,
+        "Pad shards to a multiple of this many elements per replica (None: 128 on a TPU, for "
         "efficient gathers of 2-D tiles; 1 elsewhere and with shard_param_on_dim_0).",
         argument="_shard_size_multiple",
     )
     use_xla_patched_linear: bool = _option(
-        True, "Give nn.Linear a backward that reads the weight parameter itself, not the forward's "
+        True,
+        "Give nn.Linear a backward that reads the weight parameter itself, not the forward's "
         "gathered copy (pytorch/xla#3811).",
-        accelerate="xla_fsdp_use_patched_linear", argument="_use_xla_patched_linear",
+        accelerate="xla_fsdp_use_patched_linear",
+        argument="_use_xla_patched_linear",
     )
 
     def __post_init__(self) -> None:
@@ -144,7 +170,9 @@ class FsdpOptions:
             raise ValueError(f"_shard_size_multiple must be at least 1, got {multiple}")
         object.__setattr__(self, "shard_size_multiple", multiple)
         if (self.reduce_scatter_bucket_size_mb or 0) < 0:
-            raise ValueError(f"reduce_scatter_bucket_size_mb must be 0 or more, got {self.reduce_scatter_bucket_size_mb}")
+            raise ValueError(
+                f"reduce_scatter_bucket_size_mb must be 0 or more, got {self.reduce_scatter_bucket_size_mb}"
+            )
         _check_sharding_arguments(self.sharding_groups, self.sharding_rank, self.sharding_world_size)
 
     @property
@@ -197,7 +225,9 @@ def _check_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _check_sharding_arguments(groups: Optional[List[List[int]]], rank: Optional[int], world_size: Optional[int]) -> None:
+def _check_sharding_arguments(
+    groups: Optional[List[List[int]]], rank: Optional[int], world_size: Optional[int]
+) -> None:
     if groups is None and (rank is not None or world_size is not None):
         raise ValueError("sharding_rank and sharding_world_size go with sharding_groups; pass all three")
     if groups is not None and (rank is None or world_size is None):

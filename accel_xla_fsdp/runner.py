@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import multiprocessing
-import pickle
 import os
+import pickle
 import signal
 import threading
 import traceback

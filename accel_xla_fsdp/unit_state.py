@@ -85,13 +85,27 @@ class UnitState:
     where it is in the step. Its bound methods are the hooks on the wrapped module."""
 
     __slots__ = (
-        "wrapper", "module", "options", "sharding", "param_groups", "grad_bucket", "buffer_orig_dtypes",
-        "training_state", "summoned", "root_state", "__weakref__",
+        "wrapper",
+        "module",
+        "options",
+        "sharding",
+        "param_groups",
+        "grad_bucket",
+        "buffer_orig_dtypes",
+        "training_state",
+        "summoned",
+        "root_state",
+        "__weakref__",
     )
 
     def __init__(
-        self, wrapper: nn.Module, module: nn.Module, options: FsdpOptions, sharding: ShardingGroup,
-        param_groups: List[ShardedParamGroup], buffer_orig_dtypes: Dict[str, torch.dtype],
+        self,
+        wrapper: nn.Module,
+        module: nn.Module,
+        options: FsdpOptions,
+        sharding: ShardingGroup,
+        param_groups: List[ShardedParamGroup],
+        buffer_orig_dtypes: Dict[str, torch.dtype],
     ) -> None:
         self.wrapper = wrapper  # the XlaFullyShardedDataParallel (its parameters are the shards)
         self.module = module  # the module it wraps, which the hooks sit on

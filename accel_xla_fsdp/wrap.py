@@ -78,7 +78,10 @@ class TransformerBlockPolicy:
         # _no_split_modules may list classes of a model's other variants (an encoder's blocks in
         # a decoder-only model): only the classes named by the user must all be there.
         if (named and missing) or not classes:
-            present = sorted({type(m).__name__ for m in model.modules() if m is not model} - {"ModuleList", "ModuleDict", "Sequential"})
+            present = sorted(
+                {type(m).__name__ for m in model.modules() if m is not model}
+                - {"ModuleList", "ModuleDict", "Sequential"}
+            )
             raise ValueError(
                 f"no module of class {sorted(missing)} in {type(model).__name__}; name block classes "
                 f"that it has: {present}"

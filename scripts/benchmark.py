@@ -53,6 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hlo_dump import Collectives, ProgramReport, StepReport, ideal_bytes, modules_in, parse_dump
 
 # Model classes are imported before any replica thread starts: transformers' lazy imports are
 # not thread-safe.
@@ -61,7 +62,6 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import accel_xla_fsdp
 from accel_xla_fsdp import _xla, seeded, transformer_block_policy
-from hlo_dump import Collectives, ProgramReport, StepReport, ideal_bytes, modules_in, parse_dump
 
 REPO = Path(__file__).resolve().parent.parent
 FLOAT_BYTES = 4
@@ -110,11 +110,22 @@ VARIANTS: Dict[str, Variant] = {
         Variant("torch_xla-spmd", "torch_xla SpmdFullyShardedDataParallel", "spmd"),
         Variant("ddp", "no sharding, data parallel (one flat gradient bucket)", "replica", (2, 4)),
         Variant("no-sharding", "no sharding, one device, whole batch", "replica", (1,)),
-        Variant("ours-coalesce", "ours, flatten_parameters=False, coalesce_all_gather_ops=True", "replica", (2, 4), False),
-        Variant("ours-bucket25", "ours, flatten_parameters=False, reduce_scatter_bucket_size_mb=25", "replica", (2, 4), False),
         Variant(
-            "ours-coalesce-bucket25", "ours, flatten_parameters=False, coalesce_all_gather_ops=True, "
-            "reduce_scatter_bucket_size_mb=25", "replica", (2, 4), False,
+            "ours-coalesce", "ours, flatten_parameters=False, coalesce_all_gather_ops=True", "replica", (2, 4), False
+        ),
+        Variant(
+            "ours-bucket25",
+            "ours, flatten_parameters=False, reduce_scatter_bucket_size_mb=25",
+            "replica",
+            (2, 4),
+            False,
+        ),
+        Variant(
+            "ours-coalesce-bucket25",
+            "ours, flatten_parameters=False, coalesce_all_gather_ops=True, reduce_scatter_bucket_size_mb=25",
+            "replica",
+            (2, 4),
+            False,
         ),
     )
 }
@@ -185,9 +196,14 @@ def param_numels(s: Settings) -> Tuple[int, int]:
 AfterBackward = Callable[[], None]
 
 
-def wrap_ours(model: nn.Module, flatten: bool, prefetch: bool = False, **options: object) -> Tuple[nn.Module, AfterBackward]:
+def wrap_ours(
+    model: nn.Module, flatten: bool, prefetch: bool = False, **options: object
+) -> Tuple[nn.Module, AfterBackward]:
     wrapped = accel_xla_fsdp.XlaFullyShardedDataParallel(
-        model, auto_wrap_policy=transformer_block_policy(), flatten_parameters=flatten, backward_prefetch=prefetch,
+        model,
+        auto_wrap_policy=transformer_block_policy(),
+        flatten_parameters=flatten,
+        backward_prefetch=prefetch,
         **options,
     )
     return wrapped, lambda: None
@@ -372,9 +388,12 @@ def replica(rank: int, variant: str, s: Settings, dump_dir: Optional[str]) -> Ru
     model, after_backward = WRAPPERS[variant](model)
     device = _xla.device()
     log = train(
-        model, after_backward, global_batches(s),
+        model,
+        after_backward,
+        global_batches(s),
         lambda batch: local_rows(batch, rank, world).to(device),
-        s.lr, Path(dump_dir) if dump_dir else None,
+        s.lr,
+        Path(dump_dir) if dump_dir else None,
     )
     return figures(log, s)
 
@@ -421,8 +440,16 @@ def run_spmd(num_devices: int, s: Settings, dump: Optional[Path], env: Dict[str,
     with tempfile.TemporaryDirectory(prefix="bench-spmd-") as tmp:
         result = Path(tmp) / "figures.json"
         cmd = [
-            sys.executable, str(Path(__file__).resolve()), "--spmd-worker", str(num_devices),
-            "--settings", json.dumps(dataclasses.asdict(s)), "--dump", str(dump or ""), "--result", str(result),
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--spmd-worker",
+            str(num_devices),
+            "--settings",
+            json.dumps(dataclasses.asdict(s)),
+            "--dump",
+            str(dump or ""),
+            "--result",
+            str(result),
         ]
         subprocess.run(cmd, env={**os.environ, **env}, check=True, timeout=timeout_s)
         return RunFigures(**json.loads(result.read_text()))
@@ -622,7 +649,9 @@ def measure_ideal(
     for n in device_counts:
         program = unsharded if n == 1 else None
         if program is None:
-            print(f"[{time.strftime('%H:%M:%S')}] reference: no sharding, local batch {s.global_batch // n}", flush=True)
+            print(
+                f"[{time.strftime('%H:%M:%S')}] reference: no sharding, local batch {s.global_batch // n}", flush=True
+            )
             local = dataclasses.replace(s, global_batch=s.global_batch // n, timed_steps=0)
             row, program = run_one("no-sharding", 1, local, dumps, timeout_s)
             if program is None:
@@ -658,8 +687,24 @@ def variant_list(rows: Sequence[Row]) -> str:
 def markdown_table(rows: Sequence[Row], ideal: Optional[Ideal]) -> str:
     ref = reference_step(rows)
     kinds = [k for k in COLLECTIVE_KINDS if any(r.collectives.get(k, (0, 0))[0] for r in rows)]
-    head = ["variant", "N", "step s, median (min-max)", "x no-sharding", "host s", "CPU s (host)", "first step s", "compile s",
-            "MiB/device", "ideal MiB", "/ideal", "/strict"] + [f"{k.replace('_', '-')}: n, MiB" for k in kinds] + ["final loss", "notes"]
+    head = (
+        [
+            "variant",
+            "N",
+            "step s, median (min-max)",
+            "x no-sharding",
+            "host s",
+            "CPU s (host)",
+            "first step s",
+            "compile s",
+            "MiB/device",
+            "ideal MiB",
+            "/ideal",
+            "/strict",
+        ]
+        + [f"{k.replace('_', '-')}: n, MiB" for k in kinds]
+        + ["final loss", "notes"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.error:
@@ -667,9 +712,18 @@ def markdown_table(rows: Sequence[Row], ideal: Optional[Ideal]) -> str:
             continue
         want = ideal.for_devices(r.devices) if ideal else float("nan")
         cells = [
-            r.variant, str(r.devices), f"{r.median_s:.3f} ({r.min_s:.3f}-{r.max_s:.3f})", f"{r.median_s / ref:.2f}",
-            f"{r.host_s:.3f}", f"{r.cpu_s:.2f} ({r.host_cpu_s:.2f})", f"{r.first_s:.1f}", f"{r.compile_s:.1f}", f"{r.total_bytes / MIB:.1f}", f"{want / MIB:.1f}",
-            f"{over_ideal(r, ideal):.2f}", f"{over_ideal(r, ideal, strict=True):.2f}",
+            r.variant,
+            str(r.devices),
+            f"{r.median_s:.3f} ({r.min_s:.3f}-{r.max_s:.3f})",
+            f"{r.median_s / ref:.2f}",
+            f"{r.host_s:.3f}",
+            f"{r.cpu_s:.2f} ({r.host_cpu_s:.2f})",
+            f"{r.first_s:.1f}",
+            f"{r.compile_s:.1f}",
+            f"{r.total_bytes / MIB:.1f}",
+            f"{want / MIB:.1f}",
+            f"{over_ideal(r, ideal):.2f}",
+            f"{over_ideal(r, ideal, strict=True):.2f}",
         ]
         cells += [f"{r.collectives[k][0]}, {r.collectives[k][1] / MIB:.1f}" for k in kinds]
         cells += [f"{r.final_loss:.4f}", "; ".join(r.notes)]
@@ -693,13 +747,18 @@ def ratios_at(rows: Sequence[Row], ideal: Optional[Ideal], n: int) -> List[str]:
     theirs = [at[k] for k in ("torch_xla-fsdp", "torch_xla-spmd") if k in at]
     if theirs:
         fastest = min(theirs, key=lambda r: r.median_s)
-        lines.append(f"- step time, ours / the faster torch_xla FSDP ({fastest.variant}): {ours.median_s / fastest.median_s:.2f}")
+        lines.append(
+            f"- step time, ours / the faster torch_xla FSDP ({fastest.variant}): "
+            f"{ours.median_s / fastest.median_s:.2f}"
+        )
         lines.append(
             f"- device part of the step (step - host), ours / {fastest.variant}: "
             f"{(ours.median_s - ours.host_s) / (fastest.median_s - fastest.host_s):.2f}"
         )
         first = min(theirs, key=lambda r: r.first_s)
-        lines.append(f"- first step, ours / the faster of theirs ({first.variant}): {ours.first_s / first.first_s:.2f}")
+        lines.append(
+            f"- first step, ours / the faster of theirs ({first.variant}): {ours.first_s / first.first_s:.2f}"
+        )
     lines.append(f"- step time, ours / no sharding on one device: {ours.median_s / ref:.2f}")
     lines.append("- first step (s): " + ", ".join(f"{k} {v.first_s:.1f}" for k, v in at.items()))
     return lines
@@ -722,13 +781,17 @@ def plot(rows: Sequence[Row], ideal: Optional[Ideal], path: Path) -> None:
         err = [[m - r.min_s for m, r in zip(med, mine)], [r.max_s - m for m, r in zip(med, mine)]]
         axes[0].errorbar(ns, med, yerr=err, marker="o", capsize=3, label=name)
         line = axes[1].plot(ns, [over_ideal(r, ideal) for r in mine], marker="o", label=name)
-        axes[1].plot(ns, [over_ideal(r, ideal, strict=True) for r in mine], marker="x", linestyle=":",
-                     color=line[0].get_color())
+        axes[1].plot(
+            ns, [over_ideal(r, ideal, strict=True) for r in mine], marker="x", linestyle=":", color=line[0].get_color()
+        )
         axes[2].plot(ns, [r.first_s for r in mine], marker="o", label=name)
     axes[0].axhline(ref, color="black", linestyle=":", label="no sharding, 1 device")
     axes[1].axhline(1.10, color="grey", linestyle="--", label="goal: 1.10")
-    titles = ("median step time (s), min-max bars", "compiled bytes per device / ideal (x, dotted: strict)",
-              "first step, compile included (s)")
+    titles = (
+        "median step time (s), min-max bars",
+        "compiled bytes per device / ideal (x, dotted: strict)",
+        "first step, compile included (s)",
+    )
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("XLA:CPU devices")
@@ -765,12 +828,20 @@ class Report:
     def load(path: Path) -> Report:
         raw = json.loads(path.read_text())
         ideal = raw["ideal"] and Ideal(
-            raw["ideal"]["param_bytes"], raw["ideal"]["unit_bytes"],
+            raw["ideal"]["param_bytes"],
+            raw["ideal"]["unit_bytes"],
             {int(n): b for n, b in raw["ideal"]["unsharded_total_bytes"].items()},
         )
         rows = [Row(**{**r, "collectives": {k: tuple(v) for k, v in r["collectives"].items()}}) for r in raw["rows"]]
-        return Report(**{**raw, "rows": rows, "ideal": ideal, "settings": Settings(**raw["settings"]),
-                         "loads": tuple(raw["loads"])})
+        return Report(
+            **{
+                **raw,
+                "rows": rows,
+                "ideal": ideal,
+                "settings": Settings(**raw["settings"]),
+                "loads": tuple(raw["loads"]),
+            }
+        )
 
 
 def versions() -> str:
@@ -784,6 +855,7 @@ def library_version() -> str:
     page is committed, so it names no path of the machine it ran on)."""
     where = Path(accel_xla_fsdp.__file__).resolve().parent
     try:
+
         def git(*args: str) -> str:
             return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True).stdout
 
@@ -797,11 +869,21 @@ def write_markdown(report: Report, path: Path, plot_path: Path) -> None:
     rows, ideal, s = merged(report.rows), report.ideal, report.settings
     params, unit = param_numels(s)
     n_max = max(r.devices for r in rows)
-    activation = "not measured: run without dumps" if ideal is None else ", ".join(
-        f"N={n}: {ideal.activation_bytes(n) / MIB:.1f} MiB" for n in sorted(ideal.unsharded_total_bytes)
-    ) + f"; parameters + gradients + AdamW state {4 * ideal.param_bytes / MIB:.1f} MiB"
-    strict_activation = "" if ideal is None else ", ".join(
-        f"{(ideal.activation_bytes(n) - ideal.param_bytes) / MIB:.1f} MiB at N={n}" for n in sorted(ideal.unsharded_total_bytes)
+    activation = (
+        "not measured: run without dumps"
+        if ideal is None
+        else ", ".join(
+            f"N={n}: {ideal.activation_bytes(n) / MIB:.1f} MiB" for n in sorted(ideal.unsharded_total_bytes)
+        )
+        + f"; parameters + gradients + AdamW state {4 * ideal.param_bytes / MIB:.1f} MiB"
+    )
+    strict_activation = (
+        ""
+        if ideal is None
+        else ", ".join(
+            f"{(ideal.activation_bytes(n) - ideal.param_bytes) / MIB:.1f} MiB at N={n}"
+            for n in sorted(ideal.unsharded_total_bytes)
+        )
     )
     text = f"""# Benchmark: FSDP on XLA:CPU devices
 
@@ -816,7 +898,8 @@ devices; every decoder block wrapped. Each (variant, N) ran in a fresh process, 
 rounds over the whole table.
 
 - **step s**: median over {s.timed_steps} steps after {s.warmup_steps} warm-up steps (of the runs'
-  medians when repeated; min-max of every timed step in brackets); a step ends when its loss is on the host. **x no-sharding**: against the plain model on
+  medians when repeated; min-max of every timed step in brackets); a step ends when its loss is on
+  the host. **x no-sharding**: against the plain model on
   one device. **host s**: of the step, the median time until its program was launched on every
   device (tracing it, on every replica, and launching); the rest is the devices running it.
   **CPU s**: median CPU seconds the whole process (every thread) spent per step, in brackets
@@ -861,14 +944,20 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 and 2 devices, 2 timed steps, into out/")
     p.add_argument("--devices", type=int, nargs="+", help="device counts (default 1 2 4)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[v.name for v in VARIANTS.values() if v.main])
+    p.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=[v.name for v in VARIANTS.values() if v.main]
+    )
     p.add_argument("--steps", type=int, help=f"timed steps after the warm-up (default {Settings.timed_steps})")
     p.add_argument("--markdown", type=Path, help="default docs/benchmark.md (--quick: out/benchmark-quick.md)")
     p.add_argument("--plot", type=Path, help="default: the markdown's path with .png")
     p.add_argument("--json", type=Path, help="where the raw figures go (default out/benchmark.json)")
     p.add_argument("--render", type=Path, help="no run: write the markdown and plot from saved raw figures")
-    p.add_argument("--dumps", choices=("on", "off", "keep"), default="on",
-                   help="off: times only (no compiler dump, no bytes); keep: keep each run's dump directory")
+    p.add_argument(
+        "--dumps",
+        choices=("on", "off", "keep"),
+        default="on",
+        help="off: times only (no compiler dump, no bytes); keep: keep each run's dump directory",
+    )
     p.add_argument("--repeat", type=int, default=1, help="run every (variant, N) this many times, in rounds")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds, for the SPMD subprocess")
     p.add_argument("--spmd-worker", type=int, help=argparse.SUPPRESS)
@@ -914,10 +1003,16 @@ def run(args: argparse.Namespace, started: float) -> Report:
     load_before = os.getloadavg()[0]
     rows, ideal = run_all(s, devices, args.variants, args.dumps, args.repeat, args.timeout)
     return Report(
-        rows=rows, ideal=ideal, settings=s,
+        rows=rows,
+        ideal=ideal,
+        settings=s,
         command=" ".join(["python scripts/benchmark.py"] + sys.argv[1:]),
-        library=library_version(), versions=versions(), date=time.strftime("%Y-%m-%d"),
-        loads=(load_before, os.getloadavg()[0]), wall_s=time.perf_counter() - started, repeats=args.repeat,
+        library=library_version(),
+        versions=versions(),
+        date=time.strftime("%Y-%m-%d"),
+        loads=(load_before, os.getloadavg()[0]),
+        wall_s=time.perf_counter() - started,
+        repeats=args.repeat,
     )
 
 

@@ -56,8 +56,9 @@ def main() -> int:
     page = generated_page()
     if args.check:
         if page != PAGE.read_text():
-            print(f"{PAGE.name} differs from the plugin's settings: run python scripts/config_table.py",
-                  file=sys.stderr)
+            print(
+                f"{PAGE.name} differs from the plugin's settings: run python scripts/config_table.py", file=sys.stderr
+            )
             return 1
         return 0
     PAGE.write_text(page)

@@ -66,8 +66,12 @@ from tqdm.auto import tqdm
 
 # The model class AutoModelForCausalLM picks is imported here, before the replica threads start:
 # transformers' lazy imports are not thread-safe.
-from transformers import LlamaForCausalLM  # noqa: F401
-from transformers import AutoModelForCausalLM, LlamaConfig, get_cosine_schedule_with_warmup
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,  # noqa: F401
+    get_cosine_schedule_with_warmup,
+)
 
 from accel_xla_fsdp import Accelerator, seeded
 
@@ -83,18 +87,40 @@ STAGE_NAMES = {"pretrain": "pretraining from scratch", "full": "full fine-tuning
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     stage = p.add_mutually_exclusive_group()
-    stage.add_argument("--pretrain", dest="stage", action="store_const", const="pretrain",
-                       help="stage 1: train a model from scratch on corpus.txt and save it into --pretrained")
-    stage.add_argument("--full", dest="stage", action="store_const", const="full",
-                       help="stage 2, fine-tuning every weight (the default)")
-    stage.add_argument("--lora", dest="stage", action="store_const", const="lora",
-                       help="stage 2, training LoRA adapters only (--lora-r, --lora-targets), "
-                       "the pretrained weights frozen")
+    stage.add_argument(
+        "--pretrain",
+        dest="stage",
+        action="store_const",
+        const="pretrain",
+        help="stage 1: train a model from scratch on corpus.txt and save it into --pretrained",
+    )
+    stage.add_argument(
+        "--full",
+        dest="stage",
+        action="store_const",
+        const="full",
+        help="stage 2, fine-tuning every weight (the default)",
+    )
+    stage.add_argument(
+        "--lora",
+        dest="stage",
+        action="store_const",
+        const="lora",
+        help="stage 2, training LoRA adapters only (--lora-r, --lora-targets), the pretrained weights frozen",
+    )
     p.set_defaults(stage="full")
-    p.add_argument("--pretrained", type=Path, default=Path("runs/finetune/pretrained"),
-                   help="the pretrained model: written by --pretrain, fine-tuned otherwise")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/finetune"),
-                   help="stage 2: checkpoints/, model/ (saved), merged/ (LoRA merged) and loss.png go here")
+    p.add_argument(
+        "--pretrained",
+        type=Path,
+        default=Path("runs/finetune/pretrained"),
+        help="the pretrained model: written by --pretrain, fine-tuned otherwise",
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("runs/finetune"),
+        help="stage 2: checkpoints/, model/ (saved), merged/ (LoRA merged) and loss.png go here",
+    )
     p.add_argument("--steps", type=int, default=150, help="optimizer steps (keep it when resuming)")
     p.add_argument("--lr", type=float, help="peak learning rate; default: 3e-3 pretraining, 5e-3 full, 2e-2 LoRA")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
@@ -112,18 +138,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations")
     p.add_argument("--save-every", type=int, default=50, help="stage 2: steps between sharded checkpoints")
     p.add_argument("--keep", type=int, default=2, help="stage 2: checkpoints kept (total_limit)")
-    p.add_argument("--resume", action="store_true",
-                   help="stage 2: continue from the newest checkpoint in --output-dir")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start again, removing an earlier run's pretrained model (stage 1) or its "
-                   "checkpoints/, model/ and merged/ (stage 2)")
+    p.add_argument(
+        "--resume", action="store_true", help="stage 2: continue from the newest checkpoint in --output-dir"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start again, removing an earlier run's pretrained model (stage 1) or its "
+        "checkpoints/, model/ and merged/ (stage 2)",
+    )
     p.add_argument("--prompt", default="31 December.", help="start of the greedy samples")
-    p.add_argument("--sample-tokens", type=int, default=52,
-                   help="bytes generated after the prompt (prompt and sample within --seq-len: the length trained on)")
+    p.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=52,
+        help="bytes generated after the prompt (prompt and sample within --seq-len: the length trained on)",
+    )
     args = p.parse_args()
     args.lr = args.lr or LEARNING_RATES[args.stage]
-    for name in ("steps", "batch_size", "accum", "seq_len", "eval_batch_size", "log_every", "eval_every", "save_every",
-                 "keep", "lora_r"):
+    for name in (
+        "steps",
+        "batch_size",
+        "accum",
+        "seq_len",
+        "eval_batch_size",
+        "log_every",
+        "eval_every",
+        "save_every",
+        "keep",
+        "lora_r",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.resume and (args.overwrite or args.stage == "pretrain"):
@@ -138,8 +182,11 @@ def load_blocks(path: Path, seq_len: int) -> Dataset:
     """The text as byte tokens packed into rows of ``seq_len`` (``input_ids``), via ``datasets``."""
     datasets.disable_progress_bars()
     lines = load_dataset("text", data_files=str(path), split="train", keep_in_memory=True)
-    tokens = lines.map(lambda row: {"input_ids": list((row["text"] + "\n").encode("utf-8"))},
-                       remove_columns=["text"], keep_in_memory=True)
+    tokens = lines.map(
+        lambda row: {"input_ids": list((row["text"] + "\n").encode("utf-8"))},
+        remove_columns=["text"],
+        keep_in_memory=True,
+    )
 
     def pack(batch: Dict[str, List[List[int]]]) -> Dict[str, List[List[int]]]:
         flat = [t for ids in batch["input_ids"] for t in ids]
@@ -162,9 +209,17 @@ def split_blocks(blocks: Dataset, eval_fraction: float, eval_batch: int) -> Tupl
 
 def model_config(seq_len: int) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=seq_len, attn_implementation="eager",
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,  # byte 0 never occurs in the texts
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len,
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,  # byte 0 never occurs in the texts
     )
 
 
@@ -176,8 +231,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(args.pretrained)
     if args.stage == "full":
         return model
-    lora = LoraConfig(task_type="CAUSAL_LM", r=args.lora_r, lora_alpha=args.lora_alpha,
-                      lora_dropout=args.lora_dropout, target_modules=args.lora_targets.split(","))
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_targets.split(","),
+    )
     # Replica threads share one random generator: the adapters' initial values are drawn under seeded().
     with seeded(0):
         return get_peft_model(model, lora)
@@ -192,8 +252,10 @@ def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 def optimizer_for(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, without weight decay on norms (1-d parameters)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trainable if p.dim() > 1], "weight_decay": 0.1},
-              {"params": [p for p in trainable if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in trainable if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for p in trainable if p.dim() <= 1], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
@@ -234,8 +296,12 @@ def training_batches(
 
 
 def train_step(
-    accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-    batches: Iterator[Dict[str, torch.Tensor]], max_grad_norm: float,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    batches: Iterator[Dict[str, torch.Tensor]],
+    max_grad_norm: float,
 ) -> Tuple[torch.Tensor, int]:
     """One optimizer step: micro-batches until Accelerate syncs the gradients. Returns the sum of
     their losses (on the device: nothing is read back) and their number."""
@@ -298,8 +364,9 @@ def cpu_eval_loss(model: torch.nn.Module, eval_set: Dataset, batch_size: int) ->
 def greedy_sample(model: torch.nn.Module, prompt: str, new_tokens: int) -> str:
     ids = torch.tensor([list(prompt.encode("utf-8"))])
     with torch.no_grad():
-        out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                    do_sample=False)
+        out = model.eval().generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+        )
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
@@ -307,13 +374,17 @@ def report_reload(args: argparse.Namespace, history: History, eval_set: Dataset)
     """Load the saved model back with plain transformers (and peft) on the CPU and compare its
     evaluation with the last one in training; greedy samples before and after fine-tuning."""
     step, trained = history.evals[-1]
-    print(f"{f'last evaluation (step {step}, XLA FSDP):':<{REPORT_WIDTH}}loss {trained:.6f}  "
-          f"perplexity {math.exp(trained):.4f}")
+    print(
+        f"{f'last evaluation (step {step}, XLA FSDP):':<{REPORT_WIDTH}}loss {trained:.6f}  "
+        f"perplexity {math.exp(trained):.4f}"
+    )
 
     def compare(how: str, model: torch.nn.Module) -> None:
         loss = cpu_eval_loss(model, eval_set, args.eval_batch_size)
-        print(f"{how + ' (CPU):':<{REPORT_WIDTH}}loss {loss:.6f}  perplexity {math.exp(loss):.4f}  "
-              f"(difference {abs(loss - trained):.1e})")
+        print(
+            f"{how + ' (CPU):':<{REPORT_WIDTH}}loss {loss:.6f}  perplexity {math.exp(loss):.4f}  "
+            f"(difference {abs(loss - trained):.1e})"
+        )
 
     model_dir = args.output_dir / "model"
     if args.stage == "pretrain":
@@ -346,8 +417,10 @@ def earlier_output(args: argparse.Namespace) -> List[Path]:
 def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace) -> None:
     """Refuse to mix runs: an earlier run's output is resumed (--resume) or removed (--overwrite)."""
     if args.stage != "pretrain" and not (args.pretrained / "config.json").exists():
-        raise SystemExit(f"no pretrained model in {args.pretrained}: make one first with the same command and "
-                         "--pretrain (bash scripts/finetune.sh does)")
+        raise SystemExit(
+            f"no pretrained model in {args.pretrained}: make one first with the same command and "
+            "--pretrain (bash scripts/finetune.sh does)"
+        )
     if args.resume:
         if not any((args.output_dir / "checkpoints").glob("checkpoint_*")):
             raise SystemExit(f"--resume: no checkpoint_<n> under {args.output_dir / 'checkpoints'}")
@@ -356,8 +429,10 @@ def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace) -> No
     if not earlier:
         return
     if not args.overwrite:
-        raise SystemExit(f"{', '.join(map(str, earlier))}: an earlier run's output; pass --overwrite to replace it"
-                         + ("" if args.stage == "pretrain" else ", or --resume to continue that run"))
+        raise SystemExit(
+            f"{', '.join(map(str, earlier))}: an earlier run's output; pass --overwrite to replace it"
+            + ("" if args.stage == "pretrain" else ", or --resume to continue that run")
+        )
     accelerator.wait_for_everyone()  # every replica has looked before the main one removes them
     if accelerator.is_main_process:
         for folder in earlier:
@@ -366,8 +441,14 @@ def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace) -> No
 
 
 def train(
-    accelerator: Accelerator, args: argparse.Namespace, history: History, model: torch.nn.Module,
-    optimizer: Any, scheduler: Any, train_loader: Any, eval_loader: Any,
+    accelerator: Accelerator,
+    args: argparse.Namespace,
+    history: History,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    train_loader: Any,
+    eval_loader: Any,
 ) -> None:
     """Train from ``history.step`` to ``--steps``: log, evaluate and (stage 2) save checkpoints as due."""
     main_process = accelerator.is_main_process
@@ -401,8 +482,13 @@ def train(
     bar.close()
 
 
-def record_evaluation(accelerator: Accelerator, model: torch.nn.Module, eval_loader: Any, history: History,
-                      write: Callable[[str], None] = print) -> None:
+def record_evaluation(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    eval_loader: Any,
+    history: History,
+    write: Callable[[str], None] = print,
+) -> None:
     """Evaluate, remember the loss in ``history`` and write it (main process)."""
     loss = evaluate(accelerator, model, eval_loader)
     history.evals.append((history.step, loss))
@@ -415,7 +501,8 @@ def main() -> None:
     accelerator = Accelerator(
         gradient_accumulation_steps=args.accum,
         project_config=ProjectConfiguration(
-            str(args.output_dir), automatic_checkpoint_naming=True, total_limit=args.keep),
+            str(args.output_dir), automatic_checkpoint_naming=True, total_limit=args.keep
+        ),
         # Seedable sampler with its own seed: one shuffled order whatever the number of replicas,
         # in a resumed run too; split batches: --batch-size is the global batch and the scheduler
         # steps once per optimizer step.
@@ -433,24 +520,29 @@ def main() -> None:
     eval_loader = DataLoader(eval_set, batch_size=args.eval_batch_size)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup, args.steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
     history = History()
     accelerator.register_for_checkpointing(history)
     if args.resume:
         accelerator.load_state()  # the newest checkpoint_<n>
-    setup = (f"{STAGE_NAMES[args.stage]}, {trainable / 1e3:.1f} k of {num_params / 1e3:.1f} k parameters trained, "
-             f"{accelerator.num_processes} replicas")
+    setup = (
+        f"{STAGE_NAMES[args.stage]}, {trainable / 1e3:.1f} k of {num_params / 1e3:.1f} k parameters trained, "
+        f"{accelerator.num_processes} replicas"
+    )
     accelerator.print(
         f"{setup}; {text.name}: {len(train_set)} train / {len(eval_set)} eval blocks of {args.seq_len} bytes, "
         f"{len(train_loader)} batches of {args.batch_size} per epoch, accumulation {args.accum}, lr {args.lr:g}"
-        + (f"; resumed at step {history.step}" if args.resume else ""))
+        + (f"; resumed at step {history.step}" if args.resume else "")
+    )
     if not args.resume:
         record_evaluation(accelerator, model, eval_loader, history)
     train(accelerator, args, history, model, optimizer, scheduler, train_loader, eval_loader)
     saved = args.pretrained if args.stage == "pretrain" else args.output_dir / "model"
     accelerator.wait_for_everyone()
     accelerator.unwrap_model(model).save_pretrained(
-        saved, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+        saved, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
     if accelerator.is_main_process:
         print(f"saved {saved}: {', '.join(sorted(p.name for p in saved.iterdir()))}")
         if args.stage != "pretrain":

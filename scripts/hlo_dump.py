@@ -56,9 +56,11 @@ _PEAK_VALUE = re.compile(r"^\s*(?P<name>[^\s{]+)\{[^}]*\}: (?P<bytes>\d+) bytes"
 _MODULE_ID = re.compile(r"^module_(\d+)\.")
 
 _COLLECTIVES = {  # opcode -> the collective it completes
-    "all-gather": "all-gather", "all-gather-done": "all-gather",
+    "all-gather": "all-gather",
+    "all-gather-done": "all-gather",
     "reduce-scatter": "reduce-scatter",
-    "all-reduce": "all-reduce", "all-reduce-done": "all-reduce",
+    "all-reduce": "all-reduce",
+    "all-reduce-done": "all-reduce",
 }
 
 

@@ -25,13 +25,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.nn as nn
+from hlo_dump import StepDumper, StepReport, TrainingStep, ideal_bytes
 
 # Model classes are imported before the replica threads start: transformers' lazy imports are not
 # thread-safe.
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel, _xla, seeded, transformer_block_policy
-from hlo_dump import StepDumper, StepReport, TrainingStep, ideal_bytes
 
 VOCAB = 256
 
@@ -73,10 +73,16 @@ def make_model(spec: Spec) -> nn.Module:
         if spec.model == "blocks":
             return Blocks(spec.layers, spec.hidden)
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
-            num_hidden_layers=spec.layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=max(64, spec.seq_len), tie_word_embeddings=False,
-            use_cache=False, attn_implementation="eager",
+            vocab_size=VOCAB,
+            hidden_size=spec.hidden,
+            intermediate_size=2 * spec.hidden,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max(64, spec.seq_len),
+            tie_word_embeddings=False,
+            use_cache=False,
+            attn_implementation="eager",
         )
         return LlamaForCausalLM(config)
 
@@ -105,7 +111,9 @@ def build(rank: int, world: int, spec: Spec, sharded: bool) -> TrainingStep:
         x = torch.randn(spec.batch, spec.hidden, generator=gen)
         return TrainingStep(model, optimizer, lambda: model(x.to(_xla.device())).square().mean())
     ids = torch.randint(0, VOCAB, (spec.batch, spec.seq_len), generator=gen)
-    return TrainingStep(model, optimizer, lambda: model(input_ids=ids.to(_xla.device()), labels=ids.to(_xla.device())).loss)
+    return TrainingStep(
+        model, optimizer, lambda: model(input_ids=ids.to(_xla.device()), labels=ids.to(_xla.device())).loss
+    )
 
 
 def report(spec: Spec, num_devices: int, sharded: bool, dump_dir: Optional[Path]) -> StepReport:
@@ -158,10 +166,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="rows per device")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per row (llama)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--flatten", action=argparse.BooleanOptionalAction, default=True,
-                   help="one flat shard per FSDP unit (flatten_parameters)")
-    p.add_argument("--no-barriers", action="store_true",
-                   help="optimization_barrier_in_forward=False, optimization_barrier_in_backward=False")
+    p.add_argument(
+        "--flatten",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one flat shard per FSDP unit (flatten_parameters)",
+    )
+    p.add_argument(
+        "--no-barriers",
+        action="store_true",
+        help="optimization_barrier_in_forward=False, optimization_barrier_in_backward=False",
+    )
     p.add_argument("--dump-dir", type=Path, help="keep the dumps here (one subdirectory per run)")
     args = p.parse_args()
     if min(args.devices + [args.layers, args.hidden, args.batch, args.seq_len]) < 1:
@@ -172,8 +187,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     spec = Spec(
-        model=args.model, layers=args.layers, hidden=args.hidden, batch=args.batch,
-        seq_len=args.seq_len, optimizer=args.optimizer, flatten=args.flatten, barriers=not args.no_barriers,
+        model=args.model,
+        layers=args.layers,
+        hidden=args.hidden,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        optimizer=args.optimizer,
+        flatten=args.flatten,
+        barriers=not args.no_barriers,
     )
     dump = (lambda name: args.dump_dir / name) if args.dump_dir else (lambda name: None)
     unsharded = report(spec, 1, sharded=False, dump_dir=dump("unsharded"))

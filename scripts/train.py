@@ -44,8 +44,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="global batch, in blocks")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per block")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--flatten", action=argparse.BooleanOptionalAction, default=True,
-                   help="one flat shard per FSDP unit (flatten_parameters)")
+    p.add_argument(
+        "--flatten",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one flat shard per FSDP unit (flatten_parameters)",
+    )
     args = p.parse_args()
     if min(args.devices, args.steps, args.batch_size, args.seq_len) < 1:
         p.error("--devices, --steps, --batch-size and --seq-len must be positive")

@@ -29,8 +29,15 @@ ROWS = 128  # 16 global batches: one epoch covers every run
 
 def model_config() -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="eager", use_cache=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attn_implementation="eager",
+        use_cache=False,
     )
 
 
@@ -86,7 +93,9 @@ def main() -> None:
         step = accelerator.step // args.accum
         batches = iter(accelerator.skip_first_batches(loader, accelerator.step))
     record = {
-        "steps": [], "world": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+        "steps": [],
+        "world": accelerator.num_processes,
+        "mixed_precision": accelerator.mixed_precision,
         "reshard_after_forward": model.options.reshard_after_forward,  # from the config file
         "flatten_parameters": model.options.flatten_parameters,
     }

@@ -17,8 +17,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # test helper modules import by name in replicas
 sys.path.append(str(Path(__file__).parents[1] / "scripts"))  # hlo_dump.py, shared with the benchmark
 
-from accel_xla_fsdp import DevicePool  # noqa: E402
 from quick_tier import select  # noqa: E402
+
+from accel_xla_fsdp import DevicePool  # noqa: E402
 
 DEVICE_COUNTS = (1, 2, 4)
 
@@ -31,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     if not config.getoption("--quick"):
         return
     tests = Path(__file__).parent
-    ids = [Path(item.path).relative_to(tests).as_posix() + item.nodeid[item.nodeid.index("::"):] for item in items]
+    ids = [Path(item.path).relative_to(tests).as_posix() + item.nodeid[item.nodeid.index("::") :] for item in items]
     chosen, unmatched = select(ids)
     if unmatched and len({item.path for item in items}) == len(list(tests.glob("test_*.py"))):
         raise pytest.UsageError("tests/quick_tier.py names tests that do not exist: " + ", ".join(unmatched))

@@ -30,8 +30,15 @@ from accel_xla_fsdp import Accelerator, XlaFullyShardedDataParallel, _xla, seede
 
 FAILING_RANK = 1
 CONFIG = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=32, use_cache=False, attn_implementation="eager",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    use_cache=False,
+    attn_implementation="eager",
 )
 
 

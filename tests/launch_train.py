@@ -26,8 +26,15 @@ from accel_xla_fsdp import XlaFullyShardedDataParallel, _xla, seeded, transforme
 STEPS = 3
 GLOBAL_BATCH = 4
 CONFIG = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=32, use_cache=False, attn_implementation="eager",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    use_cache=False,
+    attn_implementation="eager",
 )
 
 
@@ -44,7 +51,9 @@ def replica(rank: int, world: int) -> Dict[str, object]:
     model = XlaFullyShardedDataParallel(model, auto_wrap_policy=transformer_block_policy(), flatten_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # stateless: one step program to compile
     device = torch_xla.device()
-    batches = torch.randint(0, CONFIG["vocab_size"], (STEPS, GLOBAL_BATCH, 16), generator=torch.Generator().manual_seed(1))
+    batches = torch.randint(
+        0, CONFIG["vocab_size"], (STEPS, GLOBAL_BATCH, 16), generator=torch.Generator().manual_seed(1)
+    )
     losses = []
     for batch in batches:
         ids = batch[rank::world].to(device)

@@ -155,8 +155,14 @@ def make_expert(rank: int) -> nn.Linear:
 
 
 LLAMA_CONFIG = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
     use_cache=False,  # training: and a recomputed (checkpointed) forward must not extend a cache
 )
 
@@ -168,8 +174,11 @@ def make_llama() -> LlamaForCausalLM:
 def build(name: str) -> nn.Module:
     """The unwrapped model, identical on every replica and in the reference."""
     makers: Dict[str, Callable[[], nn.Module]] = {
-        "nested_linear": NestedLinear, "tied_transformer": TiedTransformer, "frozen_odd": FrozenOdd,
-        "llama": make_llama, "moe": lambda: MixtureOfExperts(nn.Linear(23, 12)),
+        "nested_linear": NestedLinear,
+        "tied_transformer": TiedTransformer,
+        "frozen_odd": FrozenOdd,
+        "llama": make_llama,
+        "moe": lambda: MixtureOfExperts(nn.Linear(23, 12)),
     }
     with seeded(0):
         return makers[name]()

@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
+import accelerate_train as script
 import pytest
 import torch
 from safetensors.torch import load_file
-
-import accelerate_train as script
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"
@@ -34,12 +33,28 @@ def launch(out: Path, project: Path, *script_args: str, launch_args: tuple = (),
     """Run the script under ``accelerate launch``; its record, with the final parameters."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [str(ACCELERATE), "launch", "--config_file", str(config), *launch_args,
-               str(ROOT / "tests" / "accelerate_train.py"), "--out", str(out), "--project", str(project),
-               "--steps", str(STEPS), "--accum", str(ACCUM), *script_args]
+    command = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        str(config),
+        *launch_args,
+        str(ROOT / "tests" / "accelerate_train.py"),
+        "--out",
+        str(out),
+        "--project",
+        str(project),
+        "--steps",
+        str(STEPS),
+        "--accum",
+        str(ACCUM),
+        *script_args,
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     out.with_suffix(".stderr").write_text(done.stderr)
-    assert done.returncode == 0, f"accelerate launch failed (whole stderr: {out.with_suffix('.stderr')}):\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, (
+        f"accelerate launch failed (whole stderr: {out.with_suffix('.stderr')}):\n{done.stderr[-6000:]}"
+    )
     # The replicas met at every boundary from the same place with the same program: what, when
     # not, XLA:CPU's 10-s abort under load comes from.
     for divergence in ("from different places", "compiled its own program"):
@@ -59,9 +74,11 @@ def train_plain(steps: List[Dict], world: int) -> Dict:
     for step in steps:
         step_losses = []
         for ids in step["ids"]:
-            per_replica = [model(input_ids=rows[part], labels=rows[part]).loss for part in torch.tensor(ids).chunk(world)]
+            per_replica = [
+                model(input_ids=rows[part], labels=rows[part]).loss for part in torch.tensor(ids).chunk(world)
+            ]
             (torch.stack(per_replica).mean() / ACCUM).backward()
-            step_losses.append([l.item() for l in per_replica])
+            step_losses.append([loss.item() for loss in per_replica])
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), script.MAX_NORM).item())
         optimizer.step()
         scheduler.step()
@@ -79,7 +96,9 @@ def unbroken(tmp_path_factory) -> Dict:
     return record
 
 
-def check_params(params: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+def check_params(
+    params: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor], rtol: float, atol: float
+) -> None:
     assert set(reference) <= set(params), sorted(set(reference) - set(params))
     for name, value in reference.items():
         torch.testing.assert_close(params[name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
@@ -90,8 +109,12 @@ def test_training_matches_one_plain_model(unbroken) -> None:
     ids = [sorted(i for micro in s["ids"] for i in micro) for s in unbroken["steps"]]
     assert all(len(set(i)) == 8 * ACCUM for i in ids), "each step takes distinct rows"
     reference = train_plain(unbroken["steps"], world=4)
-    torch.testing.assert_close(torch.tensor([s["losses"] for s in unbroken["steps"]]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor([s["norm"] for s in unbroken["steps"]]), torch.tensor(reference["norms"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([s["losses"] for s in unbroken["steps"]]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(
+        torch.tensor([s["norm"] for s in unbroken["steps"]]), torch.tensor(reference["norms"]), rtol=1e-5, atol=1e-6
+    )
     assert min(reference["norms"]) > script.MAX_NORM, "clipping must act in every step"
     check_params(unbroken["params"], reference["params"], rtol=1e-4, atol=1e-5)
 
@@ -119,7 +142,9 @@ def test_resume_on_two_replicas_reshards(unbroken, tmp_path) -> None:
 def test_resume_on_more_replicas_than_saved_reshards(tmp_path) -> None:
     # Replicas 2 and 3 find no random states of their own in a 2-replica checkpoint: they must
     # still resume at the saved step, or they run steps the others do not.
-    saved = launch(tmp_path / "saved.json", tmp_path / "project", "--save-at", str(SAVE_AT), launch_args=("--num_processes", "2"))
+    saved = launch(
+        tmp_path / "saved.json", tmp_path / "project", "--save-at", str(SAVE_AT), launch_args=("--num_processes", "2")
+    )
     resumed = launch(tmp_path / "run.json", tmp_path / "project", "--resume")
     assert (saved["world"], resumed["world"]) == (2, 4)
     assert [s["ids"] for s in resumed["steps"]] == [s["ids"] for s in saved["steps"][SAVE_AT:]]
@@ -131,12 +156,19 @@ def test_bf16_computes_in_bf16_and_tracks_fp32(tmp_path) -> None:
     # The config file alone says bf16, 2 devices, no resharding after forward and one shard per
     # parameter: what reaches the replicas is what accelerate launch was given.
     text = CPU_CONFIG.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16")
-    text = text.replace("num_processes: 4", "num_processes: 2").replace("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false")
+    text = text.replace("num_processes: 4", "num_processes: 2").replace(
+        "fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false"
+    )
     text = text.replace("xla_fsdp_flatten_parameters: true", "xla_fsdp_flatten_parameters: false")
     config = tmp_path / "bf16.yaml"
     config.write_text(text)
     run = launch(tmp_path / "run.json", tmp_path / "project", config=config)
-    assert (run["mixed_precision"], run["world"], run["reshard_after_forward"], run["flatten_parameters"]) == ("bf16", 2, False, False)
+    assert (run["mixed_precision"], run["world"], run["reshard_after_forward"], run["flatten_parameters"]) == (
+        "bf16",
+        2,
+        False,
+        False,
+    )
     reference = train_plain(run["steps"], world=2)
     losses = torch.tensor([s["losses"] for s in run["steps"]])
     torch.testing.assert_close(losses, torch.tensor(reference["losses"]), rtol=1e-2, atol=0)

@@ -10,12 +10,12 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
+import accelerate_train as script
 import pytest
 import torch
 from accelerate.utils import broadcast
 from torch.utils.data import DataLoader
 
-import accelerate_train as script
 import accel_xla_fsdp
 from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
 from accel_xla_fsdp.checkpoint import CheckpointError
@@ -78,7 +78,9 @@ def evaluation_and_generation(rank: int, world: int) -> Dict[str, torch.Tensor]:
     mask = torch.ones_like(ids)
     with torch.no_grad():
         logits = model(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device)).logits.cpu()
-        tokens = model.generate(input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device), max_new_tokens=4, do_sample=False).cpu()
+        tokens = model.generate(
+            input_ids=ids.to(acc.device), attention_mask=mask.to(acc.device), max_new_tokens=4, do_sample=False
+        ).cpu()
         plain_logits = plain(input_ids=ids, attention_mask=mask).logits
         plain_tokens = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     return {"logits": logits, "tokens": tokens, "plain logits": plain_logits, "plain tokens": plain_tokens}
@@ -102,7 +104,12 @@ def prepare_errors(rank: int, world: int, folder: str) -> Dict[str, str]:
 
     other = torch.nn.Linear(4, 4)
     caught("other optimizer", lambda: acc.prepare(script.build_model(), torch.optim.AdamW(other.parameters())))
-    caught("block class", lambda: Accelerator(fsdp_plugin=XlaFsdpPlugin(transformer_cls_names_to_wrap="GPT2Block")).prepare(script.build_model()))
+    caught(
+        "block class",
+        lambda: Accelerator(fsdp_plugin=XlaFsdpPlugin(transformer_cls_names_to_wrap="GPT2Block")).prepare(
+            script.build_model()
+        ),
+    )
     flat = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=True))
     model = script.build_model()
     optimizer = script.optimizer_for(model)
@@ -123,12 +130,17 @@ def test_prepare_errors_name_what_is_wrong(pools, tmp_path: Path) -> None:
     assert "xla_fsdp_flatten_parameters: false" in errors["flat groups"] and "weight_decay" in errors["flat groups"]
     assert "same prepare() call" in errors["flat groups"]
     assert "model.parameters()" in errors["clip"]
-    assert errors["load other model"].startswith(CheckpointError.__name__) and "another model" in errors["load other model"]
+    assert (
+        errors["load other model"].startswith(CheckpointError.__name__)
+        and "another model" in errors["load other model"]
+    )
 
 
 STEPS = 3
 LAYOUTS = {  # name: (flatten_parameters, optimizer prepared in a later prepare() call)
-    "flat": (True, False), "per-parameter": (False, False), "per-parameter, optimizer later": (False, True),
+    "flat": (True, False),
+    "per-parameter": (False, False),
+    "per-parameter, optimizer later": (False, True),
 }
 
 
@@ -160,8 +172,11 @@ def train_with_decay_groups(rank: int, world: int, layout: str) -> Dict[str, Any
         losses.append(loss.detach())
         accel_xla_fsdp.sync()
     return {
-        "shards": len(shards), "in groups": [len(g) for g in groups], "every shard in one group": groups[0] | groups[1] == shards
-        and not groups[0] & groups[1], "losses": torch.stack(losses).cpu(), "state": acc.get_state_dict(model),
+        "shards": len(shards),
+        "in groups": [len(g) for g in groups],
+        "every shard in one group": groups[0] | groups[1] == shards and not groups[0] & groups[1],
+        "losses": torch.stack(losses).cpu(),
+        "state": acc.get_state_dict(model),
     }
 
 
@@ -210,7 +225,11 @@ def test_plugin_reads_code_then_environment_then_config_file(tmp_path: Path, mon
     monkeypatch.setenv(CONFIG_FILE_ENV, str(config))
     monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "2000")
     plugin = XlaFsdpPlugin(reduce_scatter_bucket_size_mb=0.5)
-    assert (plugin.auto_wrap_policy, plugin.min_num_params, plugin.flatten_parameters) == ("size_based_wrap", 2000, True)
+    assert (plugin.auto_wrap_policy, plugin.min_num_params, plugin.flatten_parameters) == (
+        "size_based_wrap",
+        2000,
+        True,
+    )
     assert plugin.reduce_scatter_bucket_size_mb == 0.5 and plugin.reshard_after_forward is True
     assert XlaFsdpPlugin(min_num_params=10).min_num_params == 10
 
@@ -218,8 +237,14 @@ def test_plugin_reads_code_then_environment_then_config_file(tmp_path: Path, mon
 @pytest.mark.parametrize(
     "section, message",
     [
-        ("  fsdp_min_num_param: 10\n", r"unknown fsdp_config key\(s\) \['fsdp_min_num_param'\]. Valid keys: .*fsdp_min_num_params"),
-        ("  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n", "contradict"),
+        (
+            "  fsdp_min_num_param: 10\n",
+            r"unknown fsdp_config key\(s\) \['fsdp_min_num_param'\]. Valid keys: .*fsdp_min_num_params",
+        ),
+        (
+            "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
+            "contradict",
+        ),
         ("  xla_fsdp_flatten_parameters: true\n  xla_fsdp_shard_param_on_dim_0: true\n", "contradict"),
         ("  fsdp_offload_params: true\n", "fsdp_offload_params.*not offered"),
         ("  fsdp_backward_prefetch: BACKWARD_POST\n", "BACKWARD_POST.*BACKWARD_PRE"),
@@ -295,7 +320,12 @@ def test_checkpoint_folders_commit_and_rotate(tmp_path: Path) -> None:
     for n in (0, 1, 2, 10):
         (root / f"checkpoint_{n}").mkdir(parents=True)
     (root / "checkpoint_11.partial").mkdir()  # what a save that died left: never a checkpoint
-    assert [p.name for p in checkpoints.numbered_checkpoints(root)] == ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_10"]
+    assert [p.name for p in checkpoints.numbered_checkpoints(root)] == [
+        "checkpoint_0",
+        "checkpoint_1",
+        "checkpoint_2",
+        "checkpoint_10",
+    ]
     checkpoints.rotate(root, total_limit=2)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_11.partial", "checkpoint_2"]
     (root / "checkpoint_11.partial" / "new").write_text("new")

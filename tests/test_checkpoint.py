@@ -17,17 +17,23 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from models import LLAMA_CONFIG, build, compute_loss, global_batch, wrap
 from safetensors import safe_open
-
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from accel_xla_fsdp import (
-    CheckpointError, ReplicaError, ShardedCheckpoint, _xla, load_sharded, pretrained_weights, save_sharded, seeded,
+    CheckpointError,
+    ReplicaError,
+    ShardedCheckpoint,
+    _xla,
+    load_sharded,
+    pretrained_weights,
+    save_sharded,
+    seeded,
     transformer_block_policy,
 )
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp.checkpoint import sharded
-from models import LLAMA_CONFIG, build, compute_loss, global_batch, wrap
 
 LAYOUTS = {"flat": {"flatten_parameters": True}, "per-parameter": {}, "dim0": {"shard_param_on_dim_0": True}}
 BEFORE, AFTER = 2, 2
@@ -83,10 +89,17 @@ def mean_losses(results: List[Dict[str, Any]]) -> torch.Tensor:
     return torch.stack([r["losses"] for r in results]).mean(0)
 
 
-@pytest.mark.parametrize("name,layout,bf16", [
-    ("llama", "flat", False), ("llama", "per-parameter", False), ("tied_transformer", "dim0", False),
-    ("frozen_odd", "flat", False), ("llama", "flat", True),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "name,layout,bf16",
+    [
+        ("llama", "flat", False),
+        ("llama", "per-parameter", False),
+        ("tied_transformer", "dim0", False),
+        ("frozen_odd", "flat", False),
+        ("llama", "flat", True),
+    ],
+    ids=lambda v: str(v),
+)
 def test_resume_on_the_same_ranks_is_bit_exact(pool, tmp_path, name: str, layout: str, bf16: bool) -> None:
     world = pool.num_devices
     unbroken = pool.run(save_then_train, world, name, layout, str(tmp_path), bf16)
@@ -98,12 +111,20 @@ def test_resume_on_the_same_ranks_is_bit_exact(pool, tmp_path, name: str, layout
             assert torch.equal(a["state"][k], b["state"][k]), k
 
 
-RESHARD = [(4, "flat", 2, "flat"), (2, "per-parameter", 4, "per-parameter"), (4, "flat", 1, "flat"),
-           (4, "per-parameter", 2, "flat"), (2, "dim0", 4, "flat"), (4, "flat", 2, "dim0")]
+RESHARD = [
+    (4, "flat", 2, "flat"),
+    (2, "per-parameter", 4, "per-parameter"),
+    (4, "flat", 1, "flat"),
+    (4, "per-parameter", 2, "flat"),
+    (2, "dim0", 4, "flat"),
+    (4, "flat", 2, "dim0"),
+]
 
 
 @pytest.mark.parametrize("saved_on,saved_layout,loaded_on,loaded_layout", RESHARD, ids=lambda v: str(v))
-def test_resharding_to_another_world_size_and_layout(pools, tmp_path, saved_on, saved_layout, loaded_on, loaded_layout) -> None:
+def test_resharding_to_another_world_size_and_layout(
+    pools, tmp_path, saved_on, saved_layout, loaded_on, loaded_layout
+) -> None:
     unbroken = pools[saved_on].run(save_then_train, saved_on, "llama", saved_layout, str(tmp_path), False)
     resumed = pools[loaded_on].run(load_then_train, loaded_on, "llama", loaded_layout, str(tmp_path), False)
     torch.testing.assert_close(mean_losses(resumed), mean_losses(unbroken), rtol=1e-5, atol=1e-6)
@@ -128,7 +149,9 @@ def test_rank_files_are_plain_safetensors_with_their_layout(pools, tmp_path) -> 
     assert "buffer/long_buffer" in names and any(n.startswith("optim/") and n.endswith("/exp_avg") for n in names)
     ckpt = ShardedCheckpoint(tmp_path)
     full = build("tied_transformer").state_dict()
-    assert ckpt.read_param("encoder.layers.0.linear1.weight").shape == (full["encoder.layers.0.linear1.weight"].numel(),)
+    assert ckpt.read_param("encoder.layers.0.linear1.weight").shape == (
+        full["encoder.layers.0.linear1.weight"].numel(),
+    )
 
 
 def save_twice_dying(rank: int, world: int, directory: str, where: str) -> None:
@@ -141,7 +164,11 @@ def save_twice_dying(rank: int, world: int, directory: str, where: str) -> None:
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     if where == "writing":
         real = sharded.save_file
-        sharded.save_file = lambda t, path, metadata: (real(t, path, metadata=metadata), Path(path).write_bytes(Path(path).read_bytes()[:100]), die())
+        sharded.save_file = lambda t, path, metadata: (
+            real(t, path, metadata=metadata),
+            Path(path).write_bytes(Path(path).read_bytes()[:100]),
+            die(),
+        )
     else:  # every rank file of the new save written, the record not yet replaced
         sharded._commit = die
     save_sharded(model, optimizer, directory)
@@ -249,11 +276,18 @@ def pretrained_into_shards(rank: int, world: int, folder: str, layout: str, tied
     # init_empty_weights patches nn.Module for every thread of the process: every replica builds
     # its empty model before any of them wraps (wrapping registers parameters too).
     with seeded(0), init_empty_weights():
-        model = LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager"))
+        model = LlamaForCausalLM(
+            LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager")
+        )
     _BUILT.setdefault(world, threading.Barrier(world)).wait()
     on_meta = all(p.is_meta for p in model.parameters())
     try:
-        wrapped = FSDP(model, auto_wrap_policy=transformer_block_policy(), param_init_fn=pretrained_weights(folder), **LAYOUTS[layout])
+        wrapped = FSDP(
+            model,
+            auto_wrap_policy=transformer_block_policy(),
+            param_init_fn=pretrained_weights(folder),
+            **LAYOUTS[layout],
+        )
     except CheckpointError as e:
         return {"error": str(e)}
     return {"on_meta": on_meta, "state": wrapped.full_state_dict()}
@@ -261,12 +295,16 @@ def pretrained_into_shards(rank: int, world: int, folder: str, layout: str, tied
 
 def save_pretrained_llama(folder: Path, tied: bool, **kw: Any) -> Dict[str, torch.Tensor]:
     with seeded(3):
-        model = LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager"))
+        model = LlamaForCausalLM(
+            LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager")
+        )
     model.save_pretrained(folder, safe_serialization=True, **kw)
     return {n: p.detach() for n, p in model.named_parameters()}  # a tied weight once, as full_state_dict has it
 
 
-@pytest.mark.parametrize("layout,tied,max_shard_size", [("flat", False, None), ("per-parameter", True, "20KB"), ("dim0", False, "20KB")])
+@pytest.mark.parametrize(
+    "layout,tied,max_shard_size", [("flat", False, None), ("per-parameter", True, "20KB"), ("dim0", False, "20KB")]
+)
 def test_pretrained_weights_load_straight_into_shards(pool, tmp_path, layout, tied, max_shard_size) -> None:
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     want = save_pretrained_llama(tmp_path, tied, **kw)

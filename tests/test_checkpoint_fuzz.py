@@ -29,11 +29,11 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_checkpoint_safety import torch_xla_files, two_runs
 
 from accel_xla_fsdp import CheckpointError, consolidate
 from accel_xla_fsdp.checkpoint.consolidate import convert_torch_xla
 from accel_xla_fsdp.checkpoint.format import META_KEY, read_header
-from test_checkpoint_safety import torch_xla_files, two_runs
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 18
@@ -48,8 +48,34 @@ PEAK_ABOVE_START = 400 * 2**20
 
 
 WEIRD: List[Any] = [
-    None, True, False, -1, 0, 1, 7, 1.5, float("nan"), 2**63, 10**30, -(10**30), "", "x", "0", "\udc80", "a/b",
-    [], [0], [-1, 2], [1.5], {}, {"x": 1}, ["\udc80"], [[[[[]]]]], "save-000000", "float32", "F32",
+    None,
+    True,
+    False,
+    -1,
+    0,
+    1,
+    7,
+    1.5,
+    float("nan"),
+    2**63,
+    10**30,
+    -(10**30),
+    "",
+    "x",
+    "0",
+    "\udc80",
+    "a/b",
+    [],
+    [0],
+    [-1, 2],
+    [1.5],
+    {},
+    {"x": 1},
+    ["\udc80"],
+    [[[[[]]]]],
+    "save-000000",
+    "float32",
+    "F32",
 ]
 
 
@@ -148,7 +174,9 @@ def mutate_checkpoint(rng: random.Random, ckpt: Path) -> str:
     record = ckpt / "checkpoint.json"
     files = [ckpt / f for f in json.loads(record.read_text())["files"]]
     path = rng.choice(files)
-    kind = rng.choice(["record", "record text", "meta", "meta text", "header", "header length", "header byte", "data byte"])
+    kind = rng.choice(
+        ["record", "record text", "meta", "meta text", "header", "header length", "header byte", "data byte"]
+    )
     if kind == "record":
         record.write_text(json.dumps(mutate_tree(rng, json.loads(record.read_text()))))
     elif kind == "record text":
@@ -191,14 +219,18 @@ def mutate_torch_xla(rng: random.Random) -> Callable[[int, Dict[str, Any]], None
             ckpt["shard_metadata"] = mutated
             edit.what += f": {str(mutated)[:300]}"
         elif kind == "top":
-            ckpt.pop(rng.choice(["model", "shard_metadata"])) if rng.random() < 0.5 else ckpt.update(model=rng.choice(WEIRD))
+            ckpt.pop(rng.choice(["model", "shard_metadata"])) if rng.random() < 0.5 else ckpt.update(
+                model=rng.choice(WEIRD)
+            )
         else:
             key = next(iter(ckpt["model"]))
             value = ckpt["model"][key]
             if kind == "tensor dtype":
                 ckpt["model"][key] = value.to(rng.choice([torch.float16, torch.int32, torch.float64, torch.bool]))
             elif kind == "tensor shape":
-                ckpt["model"][key] = rng.choice([value[:-1], value.reshape(2, -1), torch.cat([value, value]), value[:0]])
+                ckpt["model"][key] = rng.choice(
+                    [value[:-1], value.reshape(2, -1), torch.cat([value, value]), value[:0]]
+                )
             else:
                 ckpt["model"][rng.choice(["", "\udc80", key + "x", "_fsdp_shard"])] = ckpt["model"].pop(key)
 
@@ -237,6 +269,7 @@ def same_model(want: Dict[str, torch.Tensor]) -> Callable[[Path], bool]:
     def check(out: Path) -> bool:
         got = load_file(out / "model.safetensors")
         return sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
     return check
 
 
@@ -255,7 +288,9 @@ def fuzz(pristine: Path, scratch: Path) -> Dict[str, Any]:
         shutil.copytree(pristine, ckpt)
         what = mutate_checkpoint(rng, ckpt)
         optimizer = rng.random() < 0.5
-        result, detail = outcome(lambda out: consolidate(ckpt, out, optimizer=optimizer, progress=False), same_model(want), scratch / "out")
+        result, detail = outcome(
+            lambda out: consolidate(ckpt, out, optimizer=optimizer, progress=False), same_model(want), scratch / "out"
+        )
         results[result] += 1
         kinds[what.split(" of ")[0] + (" " + result if result in ("refused", "correct") else "")] += 1
         if result not in ("refused", "correct"):
@@ -270,11 +305,20 @@ def fuzz(pristine: Path, scratch: Path) -> Dict[str, Any]:
         except Exception:  # noqa: BLE001 - a mutation torch.save cannot write
             results["unwritable mutation"] += 1
             continue
-        result, detail = outcome(lambda out: convert_torch_xla(theirs / "in", out, progress=False), same_model({"weight": weight}), scratch / "out")
+        result, detail = outcome(
+            lambda out: convert_torch_xla(theirs / "in", out, progress=False),
+            same_model({"weight": weight}),
+            scratch / "out",
+        )
         results[f"torch_xla {result}"] += 1
         if result not in ("refused", "correct"):
             failures.append(f"torch_xla case {case} ({getattr(edit, 'what', '')}): {result} {detail}")
-    return {"results": dict(results), "kinds": dict(kinds), "failures": failures[:10], "seconds": time.perf_counter() - start}
+    return {
+        "results": dict(results),
+        "kinds": dict(kinds),
+        "failures": failures[:10],
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def vm_bytes() -> int:
@@ -291,7 +335,14 @@ def child_main(pristine: str, scratch: str) -> None:
     limit = vm_bytes() + ADDRESS_SPACE_HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    rss_start = int(dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)["VmRSS"].split()[0]) * 1024
+    rss_start = (
+        int(
+            dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)[
+                "VmRSS"
+            ].split()[0]
+        )
+        * 1024
+    )
     report = fuzz(Path(pristine), Path(scratch))
     report["peak above start"] = peak_rss() - rss_start
     print("REPORT " + json.dumps(report))
@@ -309,9 +360,18 @@ def pristine(pools, tmp_path_factory) -> Path:
 
 
 def test_mutated_checkpoints_are_refused_by_name_or_read_correctly(pristine, tmp_path) -> None:
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint_fuzz as f; f.child_main(*sys.argv[1:])"
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import test_checkpoint_fuzz as f; f.child_main(*sys.argv[1:])"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code, str(pristine), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(pristine), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     report = json.loads(lines[-1][len("REPORT ") :])
@@ -319,6 +379,11 @@ def test_mutated_checkpoints_are_refused_by_name_or_read_correctly(pristine, tmp
     results = report["results"]
     assert not report["failures"], "\n".join(report["failures"])
     assert results.get("refused", 0) + results.get("correct", 0) == OURS
-    assert results.get("torch_xla refused", 0) + results.get("torch_xla correct", 0) + results.get("unwritable mutation", 0) == THEIRS
+    assert (
+        results.get("torch_xla refused", 0)
+        + results.get("torch_xla correct", 0)
+        + results.get("unwritable mutation", 0)
+        == THEIRS
+    )
     assert results.get("refused", 0) > OURS // 2 and results.get("correct", 0) > 0  # both outcomes are exercised
     assert report["peak above start"] < PEAK_ABOVE_START, report["peak above start"]

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
+from models import build, compute_loss, global_batch, local_slice, wrap
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -29,7 +30,6 @@ from accel_xla_fsdp.checkpoint import sharded
 from accel_xla_fsdp.checkpoint.files import current_umask
 from accel_xla_fsdp.checkpoint.format import read_header
 from accel_xla_fsdp.param_group import shard_param_name
-from models import build, compute_loss, global_batch, local_slice, wrap
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "nested_linear"
@@ -203,7 +203,11 @@ def load_refused(rank: int, world: int, directory: str) -> Dict[str, Any]:
     except CheckpointError as e:
         error = str(e)
     after = model.full_state_dict()
-    return {"error": error, "intact": all(torch.equal(before[k], after[k]) for k in before), "state": optimizer.state == {}}
+    return {
+        "error": error,
+        "intact": all(torch.equal(before[k], after[k]) for k in before),
+        "state": optimizer.state == {},
+    }
 
 
 def mixed(runs: Dict[str, Any], tmp_path: Path) -> Path:
@@ -230,11 +234,15 @@ def short_shard(runs: Dict[str, Any], tmp_path: Path) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize("make,says", [
-    (mixed, "files of different runs are mixed"),
-    (corrupt, "do not match the checksum"),
-    (short_shard, "elements (shape"),
-], ids=["another run", "corrupt bytes", "short shard"])
+@pytest.mark.parametrize(
+    "make,says",
+    [
+        (mixed, "files of different runs are mixed"),
+        (corrupt, "do not match the checksum"),
+        (short_shard, "elements (shape"),
+    ],
+    ids=["another run", "corrupt bytes", "short shard"],
+)
 def test_load_sharded_refuses_by_name_and_changes_nothing(pools, runs, tmp_path, make: Callable, says: str) -> None:
     ckpt = make(runs, tmp_path)
     results = pools[2].run(load_refused, 2, str(ckpt))
@@ -294,15 +302,25 @@ def set_field(*path: Any, value: Any) -> Callable[[Dict[str, Any]], None]:
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return edit
 
 
 CASES = {
-    "float where an integer belongs": (set_field("groups", 0, "shard_numel", value=1.5), ["field 'shard_numel'", "expected an integer", "1.5"]),
-    "string where an integer belongs": (set_field("groups", 1, "params", 0, "offset", value="0"), ["field 'offset'", "expected an integer"]),
+    "float where an integer belongs": (
+        set_field("groups", 0, "shard_numel", value=1.5),
+        ["field 'shard_numel'", "expected an integer", "1.5"],
+    ),
+    "string where an integer belongs": (
+        set_field("groups", 1, "params", 0, "offset", value="0"),
+        ["field 'offset'", "expected an integer"],
+    ),
     "a negative shape": (set_field("groups", 0, "params", 0, "shape", value=[-4, 8]), ["field 'shape'", "-4"]),
     "deep nesting": (lambda raw: "[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
-    "a name that is not UTF-8": (set_field("groups", 0, "params", 0, "name", value="module.0.\udc80weight"), ["is not valid UTF-8", "field 'name'"]),
+    "a name that is not UTF-8": (
+        set_field("groups", 0, "params", 0, "name", value="module.0.\udc80weight"),
+        ["is not valid UTF-8", "field 'name'"],
+    ),
     "two groups with one key": (lambda raw: raw["groups"].append(raw["groups"][0]), ["is listed twice"]),
     "a rank out of range": (set_field("rank", value=7), ["field 'rank'", "from 0 to 1"]),
     "a dtype of nothing": (set_field("groups", 0, "dtype", value="float128"), ["field 'dtype'", "float128"]),
@@ -360,8 +378,13 @@ def torch_xla_files(directory: Path, edit: Callable[[int, Dict[str, Any]], None]
         ckpt = {
             "model": {key: full[rank * 256 : (rank + 1) * 256].clone()},
             "shard_metadata": {
-                "shard_info": {"": {key: {"_orig_size": torch.Size([20, 16]), "_orig_name": "_fsdp_wrapped_module.weight"}}},
-                "flatten_info": {}, "buffer_info": {}, "world_size": 2, "rank": rank,
+                "shard_info": {
+                    "": {key: {"_orig_size": torch.Size([20, 16]), "_orig_name": "_fsdp_wrapped_module.weight"}}
+                },
+                "flatten_info": {},
+                "buffer_info": {},
+                "world_size": 2,
+                "rank": rank,
             },
         }
         edit(rank, ckpt)
@@ -380,19 +403,32 @@ def _meta(rank: int, ckpt: Dict[str, Any]) -> Dict[str, Any]:
 
 
 TORCH_XLA_CASES = {
-    "shard_metadata of another type": (lambda r, c: c.__setitem__("shard_metadata", [1, 2]), ["shard_metadata: expected a dict, found list"]),
-    "shard_info without the shard": (lambda r, c: _meta(r, c)["shard_info"][""].clear(), ["has no entry in its shard_metadata"]),
+    "shard_metadata of another type": (
+        lambda r, c: c.__setitem__("shard_metadata", [1, 2]),
+        ["shard_metadata: expected a dict, found list"],
+    ),
+    "shard_info without the shard": (
+        lambda r, c: _meta(r, c)["shard_info"][""].clear(),
+        ["has no entry in its shard_metadata"],
+    ),
     "_orig_size smaller than the data": (
-        lambda r, c: next(iter(_meta(r, c)["shard_info"][""].values())).__setitem__("_orig_size", torch.Size([10, 16])),
+        lambda r, c: next(iter(_meta(r, c)["shard_info"][""].values())).__setitem__(
+            "_orig_size", torch.Size([10, 16])
+        ),
         ["'_orig_size' [10, 16]", "does not fit the 2 shards"],
     ),
     "_orig_size of another type": (
-        lambda r, c: next(iter(_meta(r, c)["shard_info"][""].values())).__setitem__("_orig_size", "3x4"), ["'_orig_size'", "expected a shape"],
+        lambda r, c: next(iter(_meta(r, c)["shard_info"][""].values())).__setitem__("_orig_size", "3x4"),
+        ["'_orig_size'", "expected a shape"],
     ),
     "a rank's shard in another dtype": (
-        lambda r, c: r == 1 and c["model"].update({k: v.half() for k, v in c["model"].items()}), ["is torch.float16", "rank 0's file"],
+        lambda r, c: r == 1 and c["model"].update({k: v.half() for k, v in c["model"].items()}),
+        ["is torch.float16", "rank 0's file"],
     ),
-    "a world size that is not an integer": (lambda r, c: _meta(r, c).__setitem__("world_size", 2.0), ["its metadata says rank"]),
+    "a world size that is not an integer": (
+        lambda r, c: _meta(r, c).__setitem__("world_size", 2.0),
+        ["its metadata says rank"],
+    ),
 }
 
 
@@ -428,8 +464,14 @@ def as_nobody(args: List[str], **kw: Any) -> subprocess.CompletedProcess:
     """The command as another user (nobody) when we are root, else as ourselves."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": "/tmp"}
     prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-    return subprocess.run(prefix + [sys.executable, "-m", "accel_xla_fsdp", *args, "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=300, **kw)
+    return subprocess.run(
+        prefix + [sys.executable, "-m", "accel_xla_fsdp", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        **kw,
+    )
 
 
 def test_rank_files_are_readable_as_the_umask_allows_and_read_only_out_dirs_refused(runs, shm_dir) -> None:
@@ -460,7 +502,10 @@ def small_tmpfs(tmp_path) -> Any:
     """A 256 KiB tmpfs, mounted for the test (root only)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode
+    ):
         pytest.skip("mounting a tmpfs needs root")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
@@ -507,7 +552,11 @@ def save_killed(rank: int, world: int, directory: str, point: str) -> None:
         sharded._write_record = lambda root, record: (real(root, record), die())
     elif point == "writing rank files":  # a partial temporary file of rank 1's
         real = sharded.save_file
-        sharded.save_file = lambda t, path, metadata: (real(t, path, metadata=metadata), Path(path).write_bytes(Path(path).read_bytes()[:100]), die())
+        sharded.save_file = lambda t, path, metadata: (
+            real(t, path, metadata=metadata),
+            Path(path).write_bytes(Path(path).read_bytes()[:100]),
+            die(),
+        )
     elif point == "before the commit":  # every rank file written
         sharded._commit = die
     elif point == "after the commit":  # committed, the older folder not removed yet
@@ -530,7 +579,9 @@ def state_after(rank: int, world: int, steps: int) -> Dict[str, torch.Tensor]:
     return model.full_state_dict()
 
 
-@pytest.mark.parametrize("point", ["listing the new folder", "writing rank files", "before the commit", "after the commit"])
+@pytest.mark.parametrize(
+    "point", ["listing the new folder", "writing rank files", "before the commit", "after the commit"]
+)
 def test_a_killed_save_leaves_the_checkpoint_and_the_next_save_no_stray_files(pools, tmp_path, point: str) -> None:
     ckpt = tmp_path / "ckpt"
     # A user's folder in the checkpoint folder: a copy of a save, with a file named like ours.
@@ -546,7 +597,9 @@ def test_a_killed_save_leaves_the_checkpoint_and_the_next_save_no_stray_files(po
     record = json.loads((ckpt / "checkpoint.json").read_text())
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(["checkpoint.json", "save-best", record["save_id"]])
     assert record["saves"] == [record["save_id"]] and record["save_id"] > committed
-    assert sorted(p.name for p in (ckpt / record["save_id"]).iterdir()) == [f"rank-0000{r}-of-00002.safetensors" for r in range(2)]
+    assert sorted(p.name for p in (ckpt / record["save_id"]).iterdir()) == [
+        f"rank-0000{r}-of-00002.safetensors" for r in range(2)
+    ]
     assert [p.name for p in best.iterdir()] == [".rank-00000-of-00002.safetensors.tmp-1"]
 
 
@@ -588,12 +641,23 @@ sys.exit(cli.main(sys.argv[2:]))
 
 
 @pytest.mark.parametrize("point", ["writing", "before the commit", "waiting to be killed", "amid the commit"])
-def test_a_killed_consolidation_leaves_the_old_model_and_the_next_one_no_stray_files(runs, tmp_path, point: str) -> None:
+def test_a_killed_consolidation_leaves_the_old_model_and_the_next_one_no_stray_files(
+    runs, tmp_path, point: str
+) -> None:
     out = tmp_path / "out"
     assert cli.main(["consolidate", str(runs["one"]), str(out), "--no-progress", "--max-shard-size", "1KB"]) == 0
     before = snapshot(out)
     (tmp_path / ".out.consolidating-12345-0badc0de").mkdir()  # what an earlier version left beside OUT_DIR
-    args = [point, "consolidate", str(runs["two"]), str(out), "--no-progress", "--overwrite", "--max-shard-size", "1KB"]
+    args = [
+        point,
+        "consolidate",
+        str(runs["two"]),
+        str(out),
+        "--no-progress",
+        "--overwrite",
+        "--max-shard-size",
+        "1KB",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", KILLER, *args], stdout=subprocess.PIPE, text=True, env=env)
     if point == "waiting to be killed":
@@ -621,9 +685,11 @@ def as_format_1(ckpt: Path) -> None:
     """``ckpt`` rewritten as the previous version wrote it: no token, no checksums, no saves list."""
     record = json.loads((ckpt / "checkpoint.json").read_text())
     for name in record["files"]:
+
         def old(raw: Dict[str, Any]) -> None:
             raw["format"] = "accel-xla-fsdp/1"
             del raw["token"], raw["checksums"]
+
         edit_meta(ckpt / name, old)
     record = {"format": "accel-xla-fsdp/1", **{k: record[k] for k in ("save_id", "world_size", "files")}}
     (ckpt / "checkpoint.json").write_text(json.dumps(record))

@@ -22,14 +22,22 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 import torch
 import torch.nn as nn
+from hlo_dump import ProgramReport, StepDumper, TrainingStep
+from models import (
+    Case,
+    ResidualBlock,
+    build,
+    compute_loss,
+    global_batch,
+    local_slice,
+    make_optimizer,
+    train_fsdp,
+    train_reference,
+    wrap,
+)
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, seeded
-from hlo_dump import ProgramReport, StepDumper, TrainingStep
-from models import (
-    Case, ResidualBlock, build, compute_loss, global_batch, local_slice, make_optimizer, train_fsdp,
-    train_reference, wrap,
-)
 
 Options = Tuple[Tuple[str, Any], ...]
 
@@ -102,12 +110,16 @@ def padded_bytes(numels: Tuple[int, ...], world: int, element_bytes: int = FLOAT
 
 def gathered_bytes(world: int, element_bytes: int = FLOAT_BYTES) -> int:
     """The root once (it keeps its parameters for backward), every block twice."""
-    return padded_bytes(ROOT_PARAMS, world, element_bytes) + 2 * BLOCKS * padded_bytes(BLOCK_PARAMS, world, element_bytes)
+    return padded_bytes(ROOT_PARAMS, world, element_bytes) + 2 * BLOCKS * padded_bytes(
+        BLOCK_PARAMS, world, element_bytes
+    )
 
 
 def reduced_bytes(world: int, element_bytes: int = FLOAT_BYTES) -> int:
     """Every unit's gradient shard, once."""
-    return (padded_bytes(ROOT_PARAMS, world, element_bytes) + BLOCKS * padded_bytes(BLOCK_PARAMS, world, element_bytes)) // world
+    return (
+        padded_bytes(ROOT_PARAMS, world, element_bytes) + BLOCKS * padded_bytes(BLOCK_PARAMS, world, element_bytes)
+    ) // world
 
 
 def test_per_parameter_program_without_the_options(compiled: CompiledSteps) -> None:
@@ -194,7 +206,9 @@ def test_bucketed_llama_equals_unbucketed_exactly(pools, world: int, base: Optio
     assert_traces_equal(bucketed, unbucketed)
 
 
-def train_with_no_sync(rank: int, world: int, options: Options) -> Tuple[List[torch.Tensor], Dict[str, torch.Tensor], List[bool]]:
+def train_with_no_sync(
+    rank: int, world: int, options: Options
+) -> Tuple[List[torch.Tensor], Dict[str, torch.Tensor], List[bool]]:
     """Two micro-batches per step, the first under ``no_sync``; SGD, 2 steps. Also returns, per
     step, whether any shard had a gradient after the ``no_sync`` backward (it must not)."""
     model = wrap("llama", build("llama"), rank, world, dict(options))

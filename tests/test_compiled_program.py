@@ -30,11 +30,11 @@ from typing import Any, Dict, Iterator, Tuple
 import pytest
 import torch
 import torch.nn as nn
+from hlo_dump import ProgramReport, StepDumper, TrainingStep
+from models import ResidualBlock
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, seeded
-from hlo_dump import ProgramReport, StepDumper, TrainingStep
-from models import ResidualBlock
 
 BLOCKS, WIDTH, LOCAL_BATCH = 4, 64, 2
 FLOAT_BYTES = 4

@@ -14,20 +14,20 @@ import json
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+import tomllib
 import torch
+from models import LLAMA_CONFIG, compute_loss, global_batch, local_slice, wrap
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from accel_xla_fsdp import _xla, cli, consolidate, load_sharded, save_sharded, seeded
 from accel_xla_fsdp.checkpoint import sharded
-from models import LLAMA_CONFIG, compute_loss, global_batch, local_slice, wrap
 
 REPO = Path(__file__).resolve().parents[1]
 # the module (its package exports the function of the same name)
@@ -41,14 +41,18 @@ def llama_config(tied: bool) -> LlamaConfig:
 
 def build_llama(tied: bool) -> LlamaForCausalLM:
     with seeded(0):
-        return LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager"))
+        return LlamaForCausalLM(
+            LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=tied), attn_implementation="eager")
+        )
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def train_and_save(rank: int, world: int, tied: bool, layout: Dict, saves: List[str], plain_saves: List[str]) -> Dict[str, torch.Tensor]:
+def train_and_save(
+    rank: int, world: int, tied: bool, layout: Dict, saves: List[str], plain_saves: List[str]
+) -> Dict[str, torch.Tensor]:
     model = wrap("llama", build_llama(tied), rank, world, layout)
     optimizer = adamw(model)
     for step in range(STEPS):
@@ -108,7 +112,10 @@ class Run:
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> Dict[str, Run]:
     made = {}
-    for name, world, tied, layout in [("untied", 2, False, {"flatten_parameters": True}), ("tied", 4, True, {"shard_param_on_dim_0": True})]:
+    for name, world, tied, layout in [
+        ("untied", 2, False, {"flatten_parameters": True}),
+        ("tied", 4, True, {"shard_param_on_dim_0": True}),
+    ]:
         root = tmp_path_factory.mktemp(name)
         ckpt, other, config = root / "ckpt", root / "other", root / "config"
         plain = [str(other), str(other)] if name == "untied" else []
@@ -161,9 +168,22 @@ def test_console_script_writes_shards_and_an_index(runs, tmp_path) -> None:
     run = runs["tied"]
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "accel_xla_fsdp.cli", "consolidate", str(run.ckpt), str(out), "--config", str(run.config),
-         "--max-shard-size", "40KB"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "accel_xla_fsdp.cli",
+            "consolidate",
+            str(run.ckpt),
+            str(out),
+            "--config",
+            str(run.config),
+            "--max-shard-size",
+            "40KB",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert "consolidating" in done.stderr and "100%" in done.stderr  # the progress bar
@@ -268,7 +288,9 @@ def nothing_left(tmp_path: Path) -> bool:
 def test_missing_rank_file(runs, tmp_path, capsys) -> None:
     ckpt = copy_of(runs["untied"], tmp_path)
     rank_file(ckpt, 1).unlink()
-    assert_refused(capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 1)), "rank 1's file of save save-000000 is missing"])
+    assert_refused(
+        capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 1)), "rank 1's file of save save-000000 is missing"]
+    )
     assert nothing_left(tmp_path)
 
 
@@ -277,24 +299,41 @@ def test_console_script_fails_cleanly(runs, tmp_path) -> None:
     rank_file(ckpt, 1).unlink()
     done = subprocess.run(
         [sys.executable, "-m", "accel_xla_fsdp", "consolidate", str(ckpt), str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
     assert done.returncode == 1
-    assert "Traceback" not in done.stderr and f"{rank_file(ckpt, 1)}: rank 1's file of save save-000000 is missing" in done.stderr
+    assert (
+        "Traceback" not in done.stderr
+        and f"{rank_file(ckpt, 1)}: rank 1's file of save save-000000 is missing" in done.stderr
+    )
     assert nothing_left(tmp_path)
 
 
 def test_rank_file_of_another_save(runs, tmp_path, capsys) -> None:
     ckpt = copy_of(runs["untied"], tmp_path)
     shutil.copyfile(rank_file(runs["untied"].other_save, 1), rank_file(ckpt, 1))
-    assert_refused(capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 1)), "belongs to save 'save-000001' (rank 1 of 2)", "files of different saves are mixed"])
+    assert_refused(
+        capsys,
+        tmp_path,
+        ckpt,
+        says=[
+            str(rank_file(ckpt, 1)),
+            "belongs to save 'save-000001' (rank 1 of 2)",
+            "files of different saves are mixed",
+        ],
+    )
     assert nothing_left(tmp_path)
 
 
 def test_rank_file_of_another_world_size(runs, tmp_path, capsys) -> None:
     ckpt = copy_of(runs["untied"], tmp_path)
     shutil.copyfile(rank_file(runs["tied"].ckpt, 1), rank_file(ckpt, 1))
-    assert_refused(capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 1)), "(rank 1 of 4)", "names save 'save-000000' of 2 ranks"])
+    assert_refused(
+        capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 1)), "(rank 1 of 4)", "names save 'save-000000' of 2 ranks"]
+    )
     assert nothing_left(tmp_path)
 
 
@@ -347,7 +386,9 @@ def test_metadata_listing_a_parameter_outside_its_group(runs, tmp_path, capsys) 
 
     for rank in (0, 1):
         rewrite(rank_file(ckpt, rank), edit_meta=grow)
-    assert_refused(capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 0)), "model.embed_tokens.weight", "outside the group"])
+    assert_refused(
+        capsys, tmp_path, ckpt, says=[str(rank_file(ckpt, 0)), "model.embed_tokens.weight", "outside the group"]
+    )
     assert nothing_left(tmp_path)
 
 
@@ -362,8 +403,17 @@ def test_unreadable_layout_metadata(runs, tmp_path, capsys) -> None:
 def test_config_of_another_model(runs, tmp_path, capsys) -> None:
     config = tmp_path / "config"
     LlamaConfig(**dict(LLAMA_CONFIG, intermediate_size=48)).save_pretrained(config)
-    assert_refused(capsys, tmp_path, runs["untied"].ckpt, "--config", str(config),
-                   says=["does not fit the config's LlamaForCausalLM", "model.layers.0.mlp.gate_proj.weight: [64, 32] saved, [48, 32]"])
+    assert_refused(
+        capsys,
+        tmp_path,
+        runs["untied"].ckpt,
+        "--config",
+        str(config),
+        says=[
+            "does not fit the config's LlamaForCausalLM",
+            "model.layers.0.mlp.gate_proj.weight: [64, 32] saved, [48, 32]",
+        ],
+    )
     assert nothing_left(tmp_path)
 
 
@@ -380,8 +430,15 @@ def test_output_folder_holding_a_model(runs, tmp_path, capsys) -> None:
     before = sorted(p.name for p in out.iterdir())
     assert_refused(capsys, tmp_path, run.ckpt, out=out, says=[f"{out}: already holds a model", "model-00001-of-"])
     assert sorted(p.name for p in out.iterdir()) == before
-    assert cli.main(["consolidate", str(run.ckpt), str(out), "--no-progress", "--config", str(run.config), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]  # no stale shards
+    assert (
+        cli.main(["consolidate", str(run.ckpt), str(out), "--no-progress", "--config", str(run.config), "--overwrite"])
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]  # no stale shards
     assert_loads_the_trained_model(out, run)
 
 
@@ -395,11 +452,16 @@ def test_a_failure_while_writing_leaves_nothing(runs, tmp_path, capsys, monkeypa
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(consolidate_module, "write_safetensors", fail_in_second_file)
-    assert_refused(capsys, tmp_path, runs["untied"].ckpt, "--max-shard-size", "40KB", says=["No space left on device (simulated)"])
+    assert_refused(
+        capsys, tmp_path, runs["untied"].ckpt, "--max-shard-size", "40KB", says=["No space left on device (simulated)"]
+    )
     assert len(calls) == 2 and nothing_left(tmp_path)
 
 
-@pytest.mark.parametrize("option,says", [(["--dtype", "int8"], "invalid choice: 'int8'"), (["--max-shard-size", "5XB"], "Unit 'XB' not supported")])
+@pytest.mark.parametrize(
+    "option,says",
+    [(["--dtype", "int8"], "invalid choice: 'int8'"), (["--max-shard-size", "5XB"], "Unit 'XB' not supported")],
+)
 def test_bad_arguments(runs, tmp_path, capsys, option, says) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["consolidate", str(runs["untied"].ckpt), str(tmp_path / "out"), *option])

@@ -31,8 +31,10 @@ def test_the_table_follows_the_plugin():
     script = _config_table_script()
     page = f"before\n{script.BEGIN}\nold\n{script.END}\nafter\n"
     new = script.with_table(page, script.table({"fsdp_x": "FSDP_X (default True): Does x | y."}))
-    assert new == f"before\n{script.BEGIN}\n| `fsdp_config` key | environment | default | meaning |\n" \
+    assert (
+        new == f"before\n{script.BEGIN}\n| `fsdp_config` key | environment | default | meaning |\n"
         f"| --- | --- | --- | --- |\n| `fsdp_x` | `FSDP_X` | True | Does x \\| y. |\n{script.END}\nafter\n"
+    )
 
 
 def test_no_machine_paths_or_uncommitted_commits():

@@ -89,8 +89,16 @@ EXPECTED = {
     "groups_without_rank": ("ValueError", "sharding_groups needs sharding_rank and sharding_world_size"),
     "groups_miss_a_replica": ("ValueError", "must cover each of the", "exactly once"),
     "groups_wrong_size": ("ValueError", "have sizes [1]", "sharding_world_size is"),
-    "optimizer_on_unwrapped_params": ("ValueError", "holds 'weight' of the unwrapped model", "build the optimizer after wrapping"),
-    "tied_across_units": ("ValueError", "parameter '0.weight' is also used by", "wrap the modules that share it together"),
+    "optimizer_on_unwrapped_params": (
+        "ValueError",
+        "holds 'weight' of the unwrapped model",
+        "build the optimizer after wrapping",
+    ),
+    "tied_across_units": (
+        "ValueError",
+        "parameter '0.weight' is also used by",
+        "wrap the modules that share it together",
+    ),
 }
 
 
@@ -109,4 +117,7 @@ def test_bad_input_is_named(messages, case: str) -> None:
 
 def test_sharding_rank_must_match_position_in_group(messages) -> None:
     assert messages[0]["groups_wrong_rank"] == "no error"
-    assert "replica 1 is at position 1 of its sharding group [0, 1], but sharding_rank is 0" in messages[1]["groups_wrong_rank"]
+    assert (
+        "replica 1 is at position 1 of its sharding group [0, 1], but sharding_rank is 0"
+        in messages[1]["groups_wrong_rank"]
+    )

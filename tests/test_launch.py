@@ -21,10 +21,10 @@ from typing import Dict, Iterator
 
 import pytest
 import torch
-
-from accel_xla_fsdp import _xla
 from launch_train import replica
 from test_runner import _run_guarded
+
+from accel_xla_fsdp import _xla
 
 TESTS = Path(__file__).resolve().parent
 DEADLINE_S = 180.0  # each run takes 10 to 30 s; a hang lasts for ever
@@ -44,7 +44,11 @@ class Script:
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, str(TESTS / "launch_train.py")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         self.result: Dict | None = None
 
@@ -59,8 +63,8 @@ class Script:
             self.kill()
             pytest.fail(f"launch_train.py hung: still running after {DEADLINE_S:.0f} s")
         assert self.process.returncode == 0, f"launch_train.py failed:\n{err[-4000:]}"
-        line = next(l for l in reversed(out.splitlines()) if l.startswith("RESULT "))
-        self.result = json.loads(line[len("RESULT "):])
+        line = next(x for x in reversed(out.splitlines()) if x.startswith("RESULT "))
+        self.result = json.loads(line[len("RESULT ") :])
         return self.result
 
     def kill(self) -> None:

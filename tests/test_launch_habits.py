@@ -29,8 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 CONFIG = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", tie_word_embeddings=True,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    attn_implementation="eager",
+    tie_word_embeddings=True,
 )
 
 
@@ -40,8 +47,18 @@ def launch(folder: Path, out: Path, *launch_args: str, late_import: bool = False
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if late_import:
         env["STOCK_SCRIPT_LATE_IMPORT"] = "1"
-    command = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG), *launch_args,
-               str(ROOT / "tests" / "stock_script.py"), "--pretrained", str(folder), "--out", str(out)]
+    command = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        str(CPU_CONFIG),
+        *launch_args,
+        str(ROOT / "tests" / "stock_script.py"),
+        "--pretrained",
+        str(folder),
+        "--out",
+        str(out),
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, replace
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List
 
 import pytest
 import torch
 import torch.nn as nn
+from hlo_dump import OPTIMIZED, StepDumper, StepReport, TrainingStep, ideal_bytes
+from models import ResidualBlock
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, checkpoint_module, seeded
-from hlo_dump import OPTIMIZED, StepDumper, StepReport, TrainingStep, ideal_bytes
-from models import ResidualBlock
 
 FLOAT_BYTES = 4
 
@@ -194,7 +194,9 @@ class CompiledSteps:
     def prefetch(self, *configs: Config) -> None:
         for config in configs:
             if config not in self._reports:
-                self._reports[config] = self._worker.submit(self._dumper.report, functools.partial(build, config=config))
+                self._reports[config] = self._worker.submit(
+                    self._dumper.report, functools.partial(build, config=config)
+                )
 
     def __call__(self, config: Config) -> StepReport:
         self.prefetch(config)
@@ -252,11 +254,14 @@ def steps() -> Iterator[Dict[int, CompiledSteps]]:
 # Measured, per device.
 EXPECTED_TOTAL = {
     "unsharded": 3_504_244,
-    ("per_param", 1): 3_503_843, ("per_param", 2): 1_918_355, ("per_param", 4): 1_059_347,
-    ("flat", 1): 3_507_295, ("flat", 2): 1_953_223, ("flat", 4): 1_273_163,
+    ("per_param", 1): 3_503_843,
+    ("per_param", 2): 1_918_355,
+    ("per_param", 4): 1_059_347,
+    ("flat", 1): 3_507_295,
+    ("flat", 2): 1_953_223,
+    ("flat", 4): 1_273_163,
 }
 EXPECTED_IDEAL = {2: 2_645_104, 4: 1_521_772}
-
 
 
 def test_state_heavy_bytes_are_as_measured(steps: Dict[int, CompiledSteps]) -> None:

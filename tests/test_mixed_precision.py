@@ -12,9 +12,9 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 import torch.nn as nn
+from models import Case, build, compute_loss, global_batch, local_slice, make_optimizer, train_reference, wrap
 
 from accel_xla_fsdp import _xla
-from models import Case, build, compute_loss, global_batch, local_slice, make_optimizer, train_reference, wrap
 
 STEPS = 3
 # bf16 keeps 8 bits of mantissa (relative spacing 2**-8 = 0.004); a loss summed over a few hundred

@@ -12,7 +12,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-
 from models import Case, Trace, train_fsdp, train_moe_reference, train_reference
 
 RTOL, ATOL = 1e-5, 1e-6

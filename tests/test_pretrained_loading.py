@@ -20,8 +20,15 @@ from accel_xla_fsdp import Accelerator, DevicePool, seeded
 
 WORLD = 2
 CONFIG = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", pad_token_id=0,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    attn_implementation="eager",
+    pad_token_id=0,
 )
 
 
@@ -63,7 +70,9 @@ def load_and_prepare(rank: int, world: int, folder: str, model_class: str, dtype
     with torch.no_grad():
         logits = model(input_ids=ids().to(acc.device)).logits.cpu()
     return {
-        "on meta": on_meta, "state": acc.get_state_dict(model), "logits": logits,
+        "on meta": on_meta,
+        "state": acc.get_state_dict(model),
+        "logits": logits,
         "shard dtypes": sorted({str(p.dtype) for p in model.parameters()}),
     }
 

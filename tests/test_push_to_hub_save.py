@@ -14,14 +14,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List
 
+import accelerate_train as script
 import torch
 from accelerate import PartialState
 from huggingface_hub import HfApi
+from test_stock_save import train
 from transformers import LlamaForCausalLM
 
-import accelerate_train as script
 from accel_xla_fsdp import Accelerator
-from test_stock_save import train
 
 _lock = threading.Lock()
 
@@ -62,8 +62,15 @@ class RecordingHub:
             for name, path in files.items():
                 (copy / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, copy / name)
-            self.calls.append({"call": call, "repo": repo_id, "rank": PartialState().process_index,
-                               "files": sorted(files), "copy": str(copy)})
+            self.calls.append(
+                {
+                    "call": call,
+                    "repo": repo_id,
+                    "rank": PartialState().process_index,
+                    "files": sorted(files),
+                    "copy": str(copy),
+                }
+            )
 
 
 def pushes(rank: int, world: int, out: str) -> Dict[str, Any]:
@@ -76,8 +83,11 @@ def pushes(rank: int, world: int, out: str) -> Dict[str, Any]:
     acc.wait_for_everyone()
     with hub or nullcontext():
         acc.unwrap_model(model).save_pretrained(
-            f"{out}/pushed", push_to_hub=True, repo_id="someone/tiny-llama",
-            is_main_process=acc.is_main_process, save_function=acc.save,
+            f"{out}/pushed",
+            push_to_hub=True,
+            repo_id="someone/tiny-llama",
+            is_main_process=acc.is_main_process,
+            save_function=acc.save,
         )
         # transformers' *_no_trainer.py examples: the stock save, then the main process uploads the folder
         acc.unwrap_model(model).save_pretrained(

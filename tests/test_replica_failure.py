@@ -45,7 +45,11 @@ def run(launcher: str, when: str) -> tuple:
     python_path = os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=python_path)
     process = subprocess.Popen(
-        command(launcher, when), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command(launcher, when),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,  # the launcher's worker process dies with it
     )
     try:
@@ -82,7 +86,7 @@ def test_xla_abort_names_the_replica_that_was_late_and_where_each_was() -> None:
     status, err, _ = run("pjrt", "late")
     assert status != 0
     assert "Termination timeout" in err, err[-4000:]
-    threads = err[err.index("Fatal Python error: Aborted"):].split("Thread 0x")
+    threads = err[err.index("Fatal Python error: Aborted") :].split("Thread 0x")
     by_rank = {rank: [t for t in threads if f" in replica_{rank}\n" in t] for rank in range(4)}
     # Under load another writer's lines can land inside one thread's dump (seen once in a full
     # run): judge the dumps that came out whole, and ask for most of them.

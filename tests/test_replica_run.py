@@ -48,11 +48,13 @@ def run_replicas(fns: List[Callable[[int], object]]) -> Dict[int, object]:
 def test_meeting_waiting_for_a_returned_replica_breaks_at_once() -> None:
     meeting = _replica_run.Meeting(3)
     started = time.monotonic()
-    outcome = run_replicas([
-        lambda rank: meeting.wait(rank, "the test's meeting", 60.0),
-        lambda rank: "returned without meeting",
-        lambda rank: meeting.wait(rank, "the test's meeting", 60.0),
-    ])
+    outcome = run_replicas(
+        [
+            lambda rank: meeting.wait(rank, "the test's meeting", 60.0),
+            lambda rank: "returned without meeting",
+            lambda rank: meeting.wait(rank, "the test's meeting", 60.0),
+        ]
+    )
     assert time.monotonic() - started < 5.0
     assert outcome[1] == "returned without meeting"
     for rank in (0, 2):
@@ -65,13 +67,17 @@ def test_meeting_waiting_for_a_returned_replica_breaks_at_once() -> None:
 def test_replicas_meeting_from_different_places_are_said_once(capsys) -> None:
     meeting = _replica_run.Meeting(3)
     here, there = (("train.py", 10, "step"),), (("train.py", 20, "save"),)
-    run_replicas([lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (here, here)],
-                  lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (there, here)],
-                  lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (here, there)]])
+    run_replicas(
+        [
+            lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (here, here)],
+            lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (there, here)],
+            lambda rank: [meeting.wait(rank, "graph boundary 1", 30.0, site) for site in (here, there)],
+        ]
+    )
     said = capsys.readouterr().err
     assert said.count("from different places") == 1, said
-    assert "replica(s) [0, 2] came from:\n  File \"train.py\", line 10, in step" in said
-    assert "replica(s) [1] came from:\n  File \"train.py\", line 20, in save" in said
+    assert 'replica(s) [0, 2] came from:\n  File "train.py", line 10, in step' in said
+    assert 'replica(s) [1] came from:\n  File "train.py", line 20, in save' in said
 
 
 def sleeping_somewhere_recognizable(rank: int) -> None:

@@ -30,7 +30,9 @@ PROMPT_S = 15.0
 HANG_DEADLINE_S = 120.0
 
 
-def _run_guarded(pool: DevicePool, fn, *args: Any, deadline: float = HANG_DEADLINE_S) -> Tuple[Any, Optional[BaseException], float]:
+def _run_guarded(
+    pool: DevicePool, fn, *args: Any, deadline: float = HANG_DEADLINE_S
+) -> Tuple[Any, Optional[BaseException], float]:
     """``pool.run(fn, *args)`` with a deadline: (results, exception, seconds)."""
     box: dict = {}
 
@@ -252,8 +254,6 @@ def test_run_on_devices_one_shot() -> None:
     assert marker not in os.environ  # the parent's environment is restored
 
 
-
-
 @pytest.mark.parametrize(
     "slow_rank",
     [0, 1],
@@ -278,8 +278,6 @@ def test_replica_slow_to_reach_first_collective_does_not_abort(pools, slow_rank:
     assert [r for r, _ in results] == [0, 1]
     for _, gathered in results:
         torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
-
-
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ from typing import Dict, Tuple
 import pytest
 import torch
 import torch.nn as nn
+from models import build, compute_loss, global_batch, local_slice, make_optimizer, wrap
 from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints
 
 from accel_xla_fsdp import _xla
-from models import build, compute_loss, global_batch, local_slice, make_optimizer, wrap
 
 LAYOUTS = {
     "flat": {"flatten_parameters": True},

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import accelerate_train as script
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-import accelerate_train as script
 from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
 
 STEPS = 3
@@ -35,7 +35,9 @@ def global_batch(step: int) -> torch.Tensor:
     return torch.randint(0, script.VOCAB, (BATCH, script.SEQ), generator=torch.Generator().manual_seed(100 + step))
 
 
-def train(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> List[float]:
+def train(
+    acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int
+) -> List[float]:
     """A few steps on this replica's rows of each global batch; the loss over every replica."""
     losses = []
     for step in range(STEPS):
@@ -68,8 +70,12 @@ def stock_saves(rank: int, world: int, out: str, flatten: bool, tied: bool) -> D
     return {"wanted": wanted, "state": state, "full": model.full_state_dict()}
 
 
-@pytest.mark.parametrize("world,flatten,tied", [(2, False, False), (4, True, True)], ids=["2dev-per-param", "4dev-flat-tied"])
-def test_stock_save_pretrained_and_get_state_dict(pools, tmp_path: Path, world: int, flatten: bool, tied: bool) -> None:
+@pytest.mark.parametrize(
+    "world,flatten,tied", [(2, False, False), (4, True, True)], ids=["2dev-per-param", "4dev-flat-tied"]
+)
+def test_stock_save_pretrained_and_get_state_dict(
+    pools, tmp_path: Path, world: int, flatten: bool, tied: bool
+) -> None:
     results = pools[world].run(stock_saves, world, str(tmp_path), flatten, tied)
     first = results[0]
     wanted, state, full = first["wanted"], first["state"], first["full"]
@@ -122,7 +128,9 @@ def test_save_on_the_main_process_only_is_refused_at_once(pools, tmp_path: Path)
 def lora_model() -> torch.nn.Module:
     base = script.build_model()
     with seeded(1):  # LoRA's A matrices are drawn at random: the same on every replica
-        return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+        return get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        )
 
 
 def adapter_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -168,7 +176,9 @@ def reference() -> Dict[str, Any]:
 
 
 @pytest.mark.parametrize("world,flatten", [(2, True), (4, False)], ids=["2dev-flat", "4dev-per-param"])
-def test_lora_trains_exactly_and_saves_its_adapter(pools, tmp_path: Path, reference, world: int, flatten: bool) -> None:
+def test_lora_trains_exactly_and_saves_its_adapter(
+    pools, tmp_path: Path, reference, world: int, flatten: bool
+) -> None:
     results = pools[world].run(lora_on_replicas, world, str(tmp_path), flatten)
     first = results[0]
     torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)

@@ -7,15 +7,13 @@ import os
 import pickle
 import subprocess
 import sys
-from pathlib import Path
-from typing import Dict
 
 import pytest
 import torch
+from models import make_llama
 
 from accel_xla_fsdp import CheckpointError, seeded
 from accel_xla_fsdp.checkpoint.torch_xla_files import TorchXlaCheckpoint
-from models import make_llama
 
 
 def save_with_torch_xla_fsdp(rank: int, world: int, directory: str, flatten: bool, name_like: str) -> None:
@@ -31,8 +29,15 @@ def save_with_torch_xla_fsdp(rank: int, world: int, directory: str, flatten: boo
         model = make_llama()
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
     wrapped = XlaFullyShardedDataParallel(model, auto_wrap_policy=policy, flatten_parameters=flatten)
-    ckpt = {"model": {k: v.cpu() for k, v in wrapped.state_dict().items()}, "shard_metadata": wrapped.get_shard_metadata()}
-    file = f"final_ckpt_rank-{rank:08d}-of-{world:08d}.pth" if name_like == "script" else f"rank{rank}-of-{world}-pytorch_model.bin"
+    ckpt = {
+        "model": {k: v.cpu() for k, v in wrapped.state_dict().items()},
+        "shard_metadata": wrapped.get_shard_metadata(),
+    }
+    file = (
+        f"final_ckpt_rank-{rank:08d}-of-{world:08d}.pth"
+        if name_like == "script"
+        else f"rank{rank}-of-{world}-pytorch_model.bin"
+    )
     torch.save(ckpt, os.path.join(directory, file))
 
 
@@ -85,8 +90,17 @@ def test_convert_torch_xla_writes_a_model_from_pretrained_loads(pools, tmp_path)
         model = make_llama()
     model.config.save_pretrained(tmp_path / "config")
     out = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "accel_xla_fsdp.cli", "convert-torch-xla", str(rank_files), str(out),
-           "--config", str(tmp_path / "config"), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accel_xla_fsdp.cli",
+        "convert-torch-xla",
+        str(rank_files),
+        str(out),
+        "--config",
+        str(tmp_path / "config"),
+        "--no-progress",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     loaded = AutoModelForCausalLM.from_pretrained(out)

@@ -24,10 +24,10 @@ from typing import Dict, List
 
 import pytest
 import torch
+import trainer_train as script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-import trainer_train as script
 from accel_xla_fsdp._xla import cpu_device_env
 from accel_xla_fsdp.integration.trainer_args import check_precision, plugin_from_training_args
 
@@ -60,16 +60,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, model: Path, output_dir: Path, *script_args: str, launch_args: tuple = (),
-           script: Path = SCRIPT) -> Dict:
-    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CPU_CONFIG), *launch_args, str(script),
-               "--model", str(model), "--output-dir", str(output_dir), "--out", str(out), *script_args]
+def launch(
+    out: Path, model: Path, output_dir: Path, *script_args: str, launch_args: tuple = (), script: Path = SCRIPT
+) -> Dict:
+    command = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(CPU_CONFIG),
+        *launch_args,
+        str(script),
+        "--model",
+        str(model),
+        "--output-dir",
+        str(output_dir),
+        "--out",
+        str(out),
+        *script_args,
+    ]
     return _run(command, _env(), out)
 
 
 def on_cpu(out: Path, model: Path, output_dir: Path, *script_args: str, script: Path = SCRIPT) -> Dict:
-    command = [str(BIN / "torchrun"), "--master_port", str(free_port()), "--nproc_per_node", "4", str(script),
-               "--model", str(model), "--output-dir", str(output_dir), "--out", str(out), *script_args]
+    command = [
+        str(BIN / "torchrun"),
+        "--master_port",
+        str(free_port()),
+        "--nproc_per_node",
+        "4",
+        str(script),
+        "--model",
+        str(model),
+        "--output-dir",
+        str(output_dir),
+        "--out",
+        str(out),
+        *script_args,
+    ]
     return _run(command, _env(USE_TORCH_XLA="0", ACCELERATE_USE_CPU="1"), out)
 
 
@@ -98,9 +125,13 @@ def test_losses_match_the_cpu_trainer(runs) -> None:
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         theirs, ours = by_step(cpu, key), by_step(xla, key)
         assert sorted(ours) == sorted(theirs) and len(ours) >= 3, (key, sorted(ours))
-        torch.testing.assert_close(torch.tensor([ours[s] for s in sorted(ours)], dtype=torch.float64),
-                                   torch.tensor([theirs[s] for s in sorted(theirs)], dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            torch.tensor([ours[s] for s in sorted(ours)], dtype=torch.float64),
+            torch.tensor([theirs[s] for s in sorted(theirs)], dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m: f"{key}: {m}",
+        )
     assert sorted(by_step(xla, "loss")) == list(range(1, 9)) and sorted(by_step(xla, "eval_loss")) == [3, 6, 8]
     assert min(by_step(xla, "grad_norm").values()) > 0.5, "max_grad_norm=0.5 must clip every step"
     losses = by_step(xla, "loss")
@@ -142,11 +173,24 @@ def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path)
     # Also activation_checkpointing=True: the Trainer's checkpointing of the Llama blocks becomes
     # the engine's (the same gradients).
     shutil.copytree(runs["tmp"] / "xla_out", tmp_path / "out")
-    settings = {"xla": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                "xla_fsdp_settings": {"flatten_parameters": False}}
-    resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--per-device-batch", "4",
-                     "--resume", str(tmp_path / "out" / "checkpoint-6"), "--fsdp-config", json.dumps(settings),
-                     "--activation-checkpointing", launch_args=("--num_processes", "2"))
+    settings = {
+        "xla": True,
+        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        "xla_fsdp_settings": {"flatten_parameters": False},
+    }
+    resumed = launch(
+        tmp_path / "run.json",
+        runs["tmp"] / "model",
+        tmp_path / "out",
+        "--per-device-batch",
+        "4",
+        "--resume",
+        str(tmp_path / "out" / "checkpoint-6"),
+        "--fsdp-config",
+        json.dumps(settings),
+        "--activation-checkpointing",
+        launch_args=("--num_processes", "2"),
+    )
     assert resumed["world"] == 2 and resumed["flatten_parameters"] is False and resumed["checkpointed"] == 2
     for key in ("loss", "grad_norm", "eval_loss"):
         ours, unbroken = by_step(resumed, key), by_step(runs["xla"], key)
@@ -158,15 +202,38 @@ def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path)
 def test_the_trainers_own_xla_fsdp_files_convert(runs, tmp_path) -> None:
     # rank0-of-2-pytorch_model.bin, rank1-of-2-...: written by transformers' own XLA FSDP save.
     env = {**_env(), **cpu_device_env(2)}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer_xla_save.py"), str(runs["tmp"] / "model"),
-                           str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "trainer_xla_save.py"),
+            str(runs["tmp"] / "model"),
+            str(tmp_path / "ckpt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     rank_files = sorted(p.name for p in (tmp_path / "ckpt").glob("rank*"))
     assert rank_files == [f"rank{r}-of-2-pytorch_model.bin" for r in (0, 1)]
     converted = tmp_path / "converted"
-    done = subprocess.run([sys.executable, "-m", "accel_xla_fsdp", "convert-torch-xla", str(tmp_path / "ckpt"),
-                           str(converted), "--config", str(runs["tmp"] / "model" / "config.json")],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel_xla_fsdp",
+            "convert-torch-xla",
+            str(tmp_path / "ckpt"),
+            str(converted),
+            "--config",
+            str(runs["tmp"] / "model" / "config.json"),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     original = AutoModelForCausalLM.from_pretrained(runs["tmp"] / "model").state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(converted).state_dict()
@@ -186,9 +253,18 @@ def eval_loss(model: torch.nn.Module) -> float:
 def test_peft_adapter_saves_what_it_trained(runs, tmp_path) -> None:
     from peft import PeftModel
 
-    run = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--lora", "--steps", "4",
-                 "--learning-rate", "5e-2",
-                 "--save-model", str(tmp_path / "adapter"))
+    run = launch(
+        tmp_path / "run.json",
+        runs["tmp"] / "model",
+        tmp_path / "out",
+        "--lora",
+        "--steps",
+        "4",
+        "--learning-rate",
+        "5e-2",
+        "--save-model",
+        str(tmp_path / "adapter"),
+    )
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert saved and all("lora_" in name for name in saved), sorted(saved)
     assert any(v.abs().max() > 0 for n, v in saved.items() if "lora_B" in n), "the adapter must have trained"
@@ -208,9 +284,17 @@ def _args(**kwargs) -> TrainingArguments:
 
 def test_fsdp_config_keys_mean_what_the_trainer_documents(monkeypatch) -> None:
     monkeypatch.delenv("ACCEL_XLA_FSDP_CONFIG_FILE", raising=False)
-    plugin = plugin_from_training_args(_args(fsdp=True, fsdp_config={
-        "xla": True, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "xla_fsdp_grad_ckpt": True,
-        "xla_fsdp_settings": {"flatten_parameters": False, "reshard_after_forward": False}}))
+    plugin = plugin_from_training_args(
+        _args(
+            fsdp=True,
+            fsdp_config={
+                "xla": True,
+                "transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                "xla_fsdp_grad_ckpt": True,
+                "xla_fsdp_settings": {"flatten_parameters": False, "reshard_after_forward": False},
+            },
+        )
+    )
     assert plugin.transformer_cls_names_to_wrap == ("LlamaDecoderLayer",) and plugin.activation_checkpointing
     assert (plugin.flatten_parameters, plugin.reshard_after_forward) == (False, False)
     plugin = plugin_from_training_args(_args(fsdp="shard_grad_op", fsdp_config={"min_num_params": 1000}))
@@ -219,13 +303,16 @@ def test_fsdp_config_keys_mean_what_the_trainer_documents(monkeypatch) -> None:
     assert plugin_from_training_args(_args()) is None
 
 
-@pytest.mark.parametrize("args, message", [
-    (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True}), "xla_fsdp_v2"),
-    (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}), "bf16=True"),
-    (dict(fsdp=True, fsdp_config={"xla_fsdp_settings": {"flatten_params": 1}}), "'flatten_params'.*valid"),
-    (dict(fsdp="full_shard offload"), "fsdp_offload_params"),
-    (dict(fsdp=True, fsdp_config={"limit_all_gatherz": True}), "unknown fsdp_config key.*limit_all_gatherz"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True}), "xla_fsdp_v2"),
+        (dict(fsdp=True, fsdp_config={"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}), "bf16=True"),
+        (dict(fsdp=True, fsdp_config={"xla_fsdp_settings": {"flatten_params": 1}}), "'flatten_params'.*valid"),
+        (dict(fsdp="full_shard offload"), "fsdp_offload_params"),
+        (dict(fsdp=True, fsdp_config={"limit_all_gatherz": True}), "unknown fsdp_config key.*limit_all_gatherz"),
+    ],
+)
 def test_what_xla_fsdp_does_not_take_is_refused_by_name(monkeypatch, args, message) -> None:
     monkeypatch.delenv("ACCEL_XLA_FSDP_CONFIG_FILE", raising=False)
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
-
 import trainer_tasks as script
 from test_trainer import by_step, launch, on_cpu
 

@@ -19,15 +19,23 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 import torch.nn as nn
-
-from accel_xla_fsdp import DevicePool
-from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from accel_xla_fsdp import _xla
 from hlo_dump import modules_in, parse_dump
 from models import (
-    LLAMA_CONFIG, Case, NestedLinear, build, compute_loss, global_batch, local_slice, make_llama,
-    make_optimizer, train_reference, wrap,
+    LLAMA_CONFIG,
+    Case,
+    NestedLinear,
+    build,
+    compute_loss,
+    global_batch,
+    local_slice,
+    make_llama,
+    make_optimizer,
+    train_reference,
+    wrap,
 )
+
+from accel_xla_fsdp import DevicePool, _xla
+from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 
 RTOL, ATOL = 1e-5, 1e-6
 LAYOUTS = {"flat": {"flatten_parameters": True}, "per-parameter": {}}
@@ -50,8 +58,12 @@ def local_batch(name: str, step: int, micro: int, rank: int, world: int) -> Tupl
 def held_full_params(model: FSDP) -> List[str]:
     """Full parameters still holding gathered values (a freed one holds a 1-element placeholder)."""
     return [
-        slot.name for unit in model.modules() if isinstance(unit, FSDP)
-        for group in unit.param_groups for slot in group.slots if slot.numel > 1 and slot.param.shape == slot.shape
+        slot.name
+        for unit in model.modules()
+        if isinstance(unit, FSDP)
+        for group in unit.param_groups
+        for slot in group.slots
+        if slot.numel > 1 and slot.param.shape == slot.shape
     ]
 
 
@@ -296,7 +308,9 @@ def test_summon_full_params_writeback_reaches_the_shards(pool, layout: str) -> N
     ref_model = build("nested_linear")
     with torch.no_grad():
         double_weights(ref_model)
-    ref_losses = torch.stack(train_steps(ref_model, make_optimizer("sgd", ref_model.parameters()), 0, world, range(2), False))
+    ref_losses = torch.stack(
+        train_steps(ref_model, make_optimizer("sgd", ref_model.parameters()), 0, world, range(2), False)
+    )
     results = pool.run(summon_edit_train, world, layout)
     assert_close(torch.stack([r["losses"] for r in results]).mean(0), ref_losses, "losses")
     for r in results:
@@ -339,7 +353,9 @@ def test_odd_call_orders_leave_the_model_usable(pool, failing: bool) -> None:
     world = pool.num_devices
     ref_model = build("nested_linear")
     ref_inner = ref_model.module[2](torch.linspace(-1, 1, 2 * 16).reshape(2, 16))
-    ref_losses = torch.stack(train_steps(ref_model, make_optimizer("sgd", ref_model.parameters()), 0, world, range(2), False))
+    ref_losses = torch.stack(
+        train_steps(ref_model, make_optimizer("sgd", ref_model.parameters()), 0, world, range(2), False)
+    )
     results = pool.run(inner_first, world, failing)
     for r in results:
         if failing:

@@ -14,8 +14,17 @@ from transformers import T5Config, T5ForConditionalGeneration
 from accel_xla_fsdp import Accelerator, seeded
 
 CONFIG = dict(
-    vocab_size=40, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
-    dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    vocab_size=40,
+    d_model=32,
+    d_kv=16,
+    d_ff=64,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=2,
+    dropout_rate=0.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
 )
 
 
@@ -38,8 +47,11 @@ def generations(rank: int) -> Dict[str, torch.Tensor]:
         expected = plain.generate(ids, attention_mask=mask, **settings)
         plain_loss = plain(input_ids=ids, attention_mask=mask, labels=ids).loss
     return {
-        "unwrapped": unwrapped.cpu(), "prepared": prepared.cpu(), "expected": expected,
-        "loss": loss.cpu(), "plain loss": plain_loss,
+        "unwrapped": unwrapped.cpu(),
+        "prepared": prepared.cpu(),
+        "expected": expected,
+        "loss": loss.cpu(),
+        "plain loss": plain_loss,
     }
 
 

@@ -96,8 +96,12 @@ def _recorders(root: nn.Module) -> Dict[str, Recorder]:
 
 def tiny_llama_config() -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     )
 
 
@@ -169,7 +173,9 @@ def test_policies_decide_like_torch_xla() -> None:
         functools.partial(xla_wrap.transformer_auto_wrap_policy, transformer_layer_cls={Block}),
         modules,
     )
-    _decision_grid(size_policy(20), functools.partial(xla_wrap.size_based_auto_wrap_policy, min_num_params=20), modules)
+    _decision_grid(
+        size_policy(20), functools.partial(xla_wrap.size_based_auto_wrap_policy, min_num_params=20), modules
+    )
     is_linear = lambda m: isinstance(m, nn.Linear)  # noqa: E731
     _decision_grid(
         predicate_policy(is_linear), functools.partial(xla_wrap.lambda_auto_wrap_policy, lambda_fn=is_linear), modules
@@ -291,7 +297,9 @@ def test_torch_xla_policies_work_with_our_recursive_wrap() -> None:
     assert len(_recorders(net)) == len([m for m in Net().modules()]) - 1
 
     llama = tiny_llama()
-    log = _wrap(llama, functools.partial(xla_wrap.transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}))
+    log = _wrap(
+        llama, functools.partial(xla_wrap.transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    )
     assert set(_recorders(llama)) == {"model.layers.0", "model.layers.1"}
 
 
@@ -326,7 +334,11 @@ def test_transformer_block_policy_defaults_to_no_split_modules() -> None:
         (
             [LlamaDecoderLayer, "LlamaRMSNorm"],  # norms inside the blocks are wrapped first, then the blocks
             {"model.layers.0", "model.layers.1", "model.norm"}
-            | {f"model.layers.{i}.module.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")},
+            | {
+                f"model.layers.{i}.module.{n}"
+                for i in range(2)
+                for n in ("input_layernorm", "post_attention_layernorm")
+            },
         ),
     ],
     ids=["type", "name", "name-several-instances", "type-and-name"],

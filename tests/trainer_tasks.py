@@ -47,15 +47,36 @@ VOCAB = 64
 
 def save_models(folder: Path) -> None:
     torch.manual_seed(0)
-    T5ForConditionalGeneration(T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-    )).save_pretrained(folder / "t5")
+    T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    ).save_pretrained(folder / "t5")
     torch.manual_seed(0)
-    LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, num_labels=2, pad_token_id=0, use_cache=False,
-    )).save_pretrained(folder / "classifier")
+    LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            num_labels=2,
+            pad_token_id=0,
+            use_cache=False,
+        )
+    ).save_pretrained(folder / "classifier")
 
 
 def rows(count: int, seed: int) -> torch.Tensor:
@@ -64,14 +85,20 @@ def rows(count: int, seed: int) -> torch.Tensor:
 
 def reversal(count: int, seed: int) -> Dataset:
     ids = rows(count, seed)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
-                              "labels": ids.flip(1).tolist()})
+    return Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(), "labels": ids.flip(1).tolist()}
+    )
 
 
 def classification(count: int, seed: int) -> Dataset:
     ids = rows(count, seed)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
-                              "labels": (ids[:, 0] < VOCAB // 2).long().tolist()})
+    return Dataset.from_dict(
+        {
+            "input_ids": ids.tolist(),
+            "attention_mask": torch.ones_like(ids).tolist(),
+            "labels": (ids[:, 0] < VOCAB // 2).long().tolist(),
+        }
+    )
 
 
 def token_accuracy(prediction) -> Dict[str, float]:
@@ -87,36 +114,75 @@ def accuracy(prediction) -> Dict[str, float]:
 
 
 def common(cli: argparse.Namespace) -> Dict:
-    return dict(output_dir=cli.output_dir, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                max_steps=6, learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1,
-                eval_strategy="steps", report_to="none", seed=3, disable_tqdm=True)
+    return dict(
+        output_dir=cli.output_dir,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        max_steps=6,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        eval_strategy="steps",
+        report_to="none",
+        seed=3,
+        disable_tqdm=True,
+    )
 
 
 def seq2seq(cli: argparse.Namespace) -> Tuple[Any, Dict]:
-    args = Seq2SeqTrainingArguments(**common(cli), eval_steps=3, save_strategy="no", predict_with_generate=True,
-                                    generation_max_length=SEQ + 2, generation_num_beams=1)
+    args = Seq2SeqTrainingArguments(
+        **common(cli),
+        eval_steps=3,
+        save_strategy="no",
+        predict_with_generate=True,
+        generation_max_length=SEQ + 2,
+        generation_num_beams=1,
+    )
     model = AutoModelForSeq2SeqLM.from_pretrained(cli.model + "/t5")
-    trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=reversal(48, 1), eval_dataset=reversal(14, 2),
-                             compute_metrics=token_accuracy)
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=reversal(48, 1),
+        eval_dataset=reversal(14, 2),
+        compute_metrics=token_accuracy,
+    )
     trainer.train()
     predicted = trainer.predict(reversal(14, 2))
-    return trainer, {"log_history": trainer.state.log_history, "metrics": predicted.metrics,
-                     "predictions": np.asarray(predicted.predictions).tolist()}
+    return trainer, {
+        "log_history": trainer.state.log_history,
+        "metrics": predicted.metrics,
+        "predictions": np.asarray(predicted.predictions).tolist(),
+    }
 
 
 def classify(cli: argparse.Namespace) -> Tuple[Any, Dict]:
-    args = TrainingArguments(**common(cli), eval_steps=2, save_strategy="steps", save_steps=2, save_total_limit=1,
-                             load_best_model_at_end=True, metric_for_best_model="eval_loss",
-                             # Adam moves a weight by about the learning rate whatever the size of its
-                             # gradient: where that is round-off, the runs would part by 1e-2 at once.
-                             adam_epsilon=1e-3)
+    args = TrainingArguments(
+        **common(cli),
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        # Adam moves a weight by about the learning rate whatever the size of its
+        # gradient: where that is round-off, the runs would part by 1e-2 at once.
+        adam_epsilon=1e-3,
+    )
     model = AutoModelForSequenceClassification.from_pretrained(cli.model + "/classifier")
-    trainer = Trainer(model=model, args=args, train_dataset=classification(48, 1),
-                      eval_dataset=classification(14, 2), compute_metrics=accuracy)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=classification(48, 1),
+        eval_dataset=classification(14, 2),
+        compute_metrics=accuracy,
+    )
     trainer.train()
     final = trainer.evaluate()
-    return trainer, {"log_history": trainer.state.log_history, "final": final,
-                     "best_model_checkpoint": trainer.state.best_model_checkpoint}
+    return trainer, {
+        "log_history": trainer.state.log_history,
+        "final": final,
+        "best_model_checkpoint": trainer.state.best_model_checkpoint,
+    }
 
 
 def main() -> None:

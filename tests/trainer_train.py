@@ -30,8 +30,14 @@ VOCAB = 128
 def save_model(folder: Path) -> None:
     """The tiny Llama the runs start from (called by the test, before the launches)."""
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -39,8 +45,9 @@ def save_model(folder: Path) -> None:
 
 def dataset(rows: int, seed: int) -> Dataset:
     ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
-                              "labels": ids.tolist()})
+    return Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(), "labels": ids.tolist()}
+    )
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -70,14 +77,28 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     cli = parse()
     args = TrainingArguments(
-        output_dir=cli.output_dir, per_device_train_batch_size=cli.per_device_batch,
-        per_device_eval_batch_size=cli.per_device_batch, gradient_accumulation_steps=2, max_steps=cli.steps,
-        learning_rate=cli.learning_rate, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2,
+        output_dir=cli.output_dir,
+        per_device_train_batch_size=cli.per_device_batch,
+        per_device_eval_batch_size=cli.per_device_batch,
+        gradient_accumulation_steps=2,
+        max_steps=cli.steps,
+        learning_rate=cli.learning_rate,
+        weight_decay=0.1,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
         max_grad_norm=0.5,
-        logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=cli.save_steps,
-        save_total_limit=cli.save_total_limit, report_to="none", seed=7, disable_tqdm=True,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=cli.save_steps,
+        save_total_limit=cli.save_total_limit,
+        report_to="none",
+        seed=7,
+        disable_tqdm=True,
         activation_checkpointing=cli.activation_checkpointing,
-        fsdp=bool(cli.fsdp_config), fsdp_config=json.loads(cli.fsdp_config) if cli.fsdp_config else None,
+        fsdp=bool(cli.fsdp_config),
+        fsdp_config=json.loads(cli.fsdp_config) if cli.fsdp_config else None,
     )
     model = AutoModelForCausalLM.from_pretrained(cli.model)
     if cli.lora:
@@ -93,8 +114,13 @@ def main() -> None:
         # checkpoint_module replaces a block's forward on the instance
         forwards = [vars(m).get("forward") for m in trainer.model.modules()]
         checkpointed = sum(1 for f in forwards if getattr(f, "__qualname__", "").startswith("checkpoint_module"))
-        record = {"log_history": trainer.state.log_history, "final": final, "world": trainer.args.world_size,
-                  "flatten_parameters": getattr(plugin, "flatten_parameters", None), "checkpointed": checkpointed}
+        record = {
+            "log_history": trainer.state.log_history,
+            "final": final,
+            "world": trainer.args.world_size,
+            "flatten_parameters": getattr(plugin, "flatten_parameters", None),
+            "checkpointed": checkpointed,
+        }
         Path(cli.out).write_text(json.dumps(record))
 
 

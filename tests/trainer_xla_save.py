@@ -24,8 +24,12 @@ import accel_xla_fsdp  # noqa: F401  (xm.rendezvous between replica threads)
 
 
 def main(index: int, model_dir: str, out: str) -> None:
-    args = TrainingArguments(output_dir=out, report_to="none", fsdp=True,
-                             fsdp_config={"xla": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    args = TrainingArguments(
+        output_dir=out,
+        report_to="none",
+        fsdp=True,
+        fsdp_config={"xla": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(xm.xla_device())
     save_tpu_checkpoint(wrap_model_xla_fsdp(model, args, False), args, accelerate.Accelerator(), None, True, out)
 

@@ -49,7 +49,15 @@ from tqdm.auto import tqdm
 from .files import check_free_space as _check_free_space
 from .files import check_writable
 from .format import (
-    BUFFER, MODEL, OPTIM, SAFETENSORS_DTYPES, CheckpointError, GroupEntry, ParamEntry, ShardedCheckpoint, torch_dtype,
+    BUFFER,
+    MODEL,
+    OPTIM,
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    GroupEntry,
+    ParamEntry,
+    ShardedCheckpoint,
+    torch_dtype,
 )
 from .torch_xla_files import TorchXlaCheckpoint
 
@@ -137,8 +145,14 @@ def convert_torch_xla(
 
 
 def write_hf_layout(
-    ckpt: Any, output_dir: Union[str, os.PathLike], max_shard_size: Union[int, str], config: Any,
-    dtype: Union[None, str, torch.dtype], optimizer: bool, overwrite: bool, progress: bool,
+    ckpt: Any,
+    output_dir: Union[str, os.PathLike],
+    max_shard_size: Union[int, str],
+    config: Any,
+    dtype: Union[None, str, torch.dtype],
+    optimizer: bool,
+    overwrite: bool,
+    progress: bool,
 ) -> Path:
     """The Hugging Face layout of ``ckpt`` (a ``ShardedCheckpoint`` or ``TorchXlaCheckpoint``)."""
     out = Path(output_dir)
@@ -148,8 +162,10 @@ def write_hf_layout(
     names = output_names(ckpt, model)
     weights = model_tensors(ckpt, names, model, cast)
     split = split_state_dict_into_shards_factory(
-        {t.name: t for t in weights}, get_storage_size=lambda t: t.nbytes,
-        filename_pattern=WEIGHTS_PATTERN, max_shard_size=limit,
+        {t.name: t for t in weights},
+        get_storage_size=lambda t: t.nbytes,
+        filename_pattern=WEIGHTS_PATTERN,
+        max_shard_size=limit,
     )
     by_name = {t.name: t for t in weights}
     files = {name: [by_name[n] for n in tensors] for name, tensors in split.filename_to_tensors.items()}
@@ -224,7 +240,9 @@ def check_checkpoint(ckpt: ShardedCheckpoint, optimizer: bool) -> None:
     """What ``ShardedCheckpoint`` does not check on opening: optimizer state, when asked for.
     (Opening checked the record, every file's header and metadata, and that they agree.)"""
     if optimizer and ckpt.metas[0].optimizer is None:
-        raise CheckpointError(f"{ckpt.directory}: saved without optimizer state (save_sharded(model, None, ...)); leave out --optimizer")
+        raise CheckpointError(
+            f"{ckpt.directory}: saved without optimizer state (save_sharded(model, None, ...)); leave out --optimizer"
+        )
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -350,13 +368,25 @@ def output_names(ckpt: ShardedCheckpoint, model: Optional[ModelInfo]) -> Dict[st
     saved = {n: entry.shape for _, entry in ckpt.params.values() for n in (entry.name, *entry.aliases)}
     unexpected = [n for n in saved if n not in model.params]
     missing = [n for n in model.params if n not in saved]
-    wrong = [f"{n}: {list(saved[n])} saved, {list(model.params[n])} in {model.class_name}" for n in saved if n in model.params and tuple(saved[n]) != model.params[n]]
+    wrong = [
+        f"{n}: {list(saved[n])} saved, {list(model.params[n])} in {model.class_name}"
+        for n in saved
+        if n in model.params and tuple(saved[n]) != model.params[n]
+    ]
     if unexpected or missing or wrong:
-        parts = [f"not in {model.class_name}: {unexpected[:5]}" if unexpected else "", f"missing: {missing[:5]}" if missing else "", *wrong[:5]]
-        raise CheckpointError(f"{where}: does not fit the config's {model.class_name} ({'; '.join(p for p in parts if p)})")
+        parts = [
+            f"not in {model.class_name}: {unexpected[:5]}" if unexpected else "",
+            f"missing: {missing[:5]}" if missing else "",
+            *wrong[:5],
+        ]
+        raise CheckpointError(
+            f"{where}: does not fit the config's {model.class_name} ({'; '.join(p for p in parts if p)})"
+        )
     persistent = [n for n in model.buffers if n not in ckpt.buffer_names]
     if persistent:
-        raise CheckpointError(f"{where}: has no buffer {persistent[0]!r}, a persistent buffer of the config's {model.class_name}")
+        raise CheckpointError(
+            f"{where}: has no buffer {persistent[0]!r}, a persistent buffer of the config's {model.class_name}"
+        )
     names = {}
     for name, (_, entry) in ckpt.params.items():
         all_names = [entry.name, *entry.aliases]
@@ -364,16 +394,20 @@ def output_names(ckpt: ShardedCheckpoint, model: Optional[ModelInfo]) -> Dict[st
         if not kept:
             source = model.tied[entry.name]
             raise CheckpointError(
-                f"{where}: the config ties {entry.name!r} to {source!r}, but the checkpoint holds them as two parameters "
+                f"{where}: the config ties {entry.name!r} to {source!r}, but the checkpoint holds them as two "
+                "parameters "
                 "(trained untied): set tie_word_embeddings=False in the config"
             )
         names[name] = sorted(kept, key=lambda n: model.order.get(n, 0))
     return names
 
 
-def model_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]], model: Optional[ModelInfo], cast: Optional[torch.dtype]) -> List[OutTensor]:
+def model_tensors(
+    ckpt: ShardedCheckpoint, names: Dict[str, List[str]], model: Optional[ModelInfo], cast: Optional[torch.dtype]
+) -> List[OutTensor]:
     """The weights file's tensors: parameters (and, with a model, its persistent buffers), in the
     model's state-dict order, or the checkpoint's without one."""
+
     def out_dtype(saved: torch.dtype) -> torch.dtype:
         return cast if cast is not None and saved.is_floating_point else saved
 
@@ -419,7 +453,10 @@ def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> T
                 tensors.extend(OutTensor(f"{n}.{state}", shape, header.dtype, read) for n in out_names(entry))
     params_of = {g.key: [n for e in g.params for n in out_names(e)] for g in ckpt.groups.values()}
     param_groups = [
-        {**{k: v for k, v in pg.items() if k != "groups"}, "params": [n for key in pg["groups"] for n in params_of[key]]}
+        {
+            **{k: v for k, v in pg.items() if k != "groups"},
+            "params": [n for key in pg["groups"] for n in params_of[key]],
+        }
         for pg in saved["param_groups"]
     ]
     scalars: Dict[str, Dict[str, Any]] = {}
@@ -430,7 +467,9 @@ def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> T
     return tensors, {"type": saved["type"], "param_groups": param_groups, "state": scalars}
 
 
-def _optim_reader(ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry, state: str) -> Callable[[int, int], torch.Tensor]:
+def _optim_reader(
+    ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry, state: str
+) -> Callable[[int, int], torch.Tensor]:
     return lambda a, b: ckpt.read_pieces(group, entry.offset + a, entry.offset + b, prefix=OPTIM, state=state)
 
 
@@ -461,14 +500,22 @@ def safetensors_header(tensors: Sequence[OutTensor]) -> bytes:
     for t in tensors:
         if t.dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{t.name}: dtype {t.dtype} has no safetensors name")
-        header[t.name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
 
 
 def write_safetensors(
-    path: Path, tensors: Sequence[OutTensor], budget: ReadBudget, bar: Any, chunk_bytes: int = CHUNK_BYTES,
+    path: Path,
+    tensors: Sequence[OutTensor],
+    budget: ReadBudget,
+    bar: Any,
+    chunk_bytes: int = CHUNK_BYTES,
     check: Callable[[], None] = lambda: None,
 ) -> None:
     """Write a safetensors file tensor by tensor, each in pieces of at most ``chunk_bytes``.
@@ -504,7 +551,8 @@ def write_safetensors(
                     check()
                 if done != stop - start:
                     raise CheckpointError(
-                        f"{t.name}: elements [{start}, {stop}) read as {done}: the rank files hold fewer than their metadata says"
+                        f"{t.name}: elements [{start}, {stop}) read as {done}: the rank files hold fewer than their "
+                        "metadata says"
                     )
         expected = 8 + len(header) + sum(t.nbytes for t in tensors)
         if f.tell() != expected:
@@ -513,7 +561,7 @@ def write_safetensors(
 
 def _write_all(f: Any, view: memoryview) -> None:
     while len(view):  # an unbuffered write may write less than asked
-        view = view[f.write(view):]
+        view = view[f.write(view) :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,8 +576,11 @@ def _to_verify(ckpt: Any, buffers: bool, optimizer: bool) -> List[Tuple[int, Lis
     work = []
     for rank in range(len(ckpt.files)):
         names = [
-            n for n in ckpt.tensor_names(rank)
-            if n.startswith(f"{MODEL}/") or (optimizer and n.startswith(f"{OPTIM}/")) or (buffers and rank == 0 and n.startswith(f"{BUFFER}/"))
+            n
+            for n in ckpt.tensor_names(rank)
+            if n.startswith(f"{MODEL}/")
+            or (optimizer and n.startswith(f"{OPTIM}/"))
+            or (buffers and rank == 0 and n.startswith(f"{BUFFER}/"))
         ]
         work.append((rank, names))
     return work
@@ -559,7 +610,9 @@ class Verifier:
         except CheckpointError as e:
             self.error = e
         except OSError as e:
-            self.error = CheckpointError(f"{e.filename or self.ckpt.directory}: cannot be read to check its checksums ({e.strerror or e})")
+            self.error = CheckpointError(
+                f"{e.filename or self.ckpt.directory}: cannot be read to check its checksums ({e.strerror or e})"
+            )
         except BaseException as e:  # noqa: BLE001 - reported in the main thread
             self.error = e
 
@@ -701,7 +754,11 @@ def commit(stage: Path, out: Path, overwrite: bool = True) -> None:
     """Put the finished files in place ([Note: committing a consolidation])."""
     new = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
     old = {p.name for p in model_files(out)}
-    first = [WEIGHTS_INDEX_NAME] if WEIGHTS_INDEX_NAME in old and any(n in old for n in new if _SHARD_FILE.fullmatch(n)) else []
+    first = (
+        [WEIGHTS_INDEX_NAME]
+        if WEIGHTS_INDEX_NAME in old and any(n in old for n in new if _SHARD_FILE.fullmatch(n))
+        else []
+    )
     shards = [n for n in new if _SHARD_FILE.fullmatch(n)]
     switch = [n for n in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME) if n in new]
     rest = [n for n in new if n not in shards and n not in switch]

@@ -54,7 +54,9 @@ def check_writable(directory: Path, what: str = "the output") -> None:
     if not existing.is_dir():
         raise CheckpointError(f"{existing}: not a directory, so {directory} cannot be created")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise CheckpointError(f"{existing}: not writable (read-only filesystem or permissions), so {what} cannot be written there")
+        raise CheckpointError(
+            f"{existing}: not writable (read-only filesystem or permissions), so {what} cannot be written there"
+        )
 
 
 def check_free_space(directory: Path, nbytes: int, what: str = "the output") -> None:

@@ -84,10 +84,21 @@ class CheckpointError(ValueError):
 # Dtypes
 
 SAFETENSORS_DTYPES: Dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 TORCH_DTYPES: Dict[str, torch.dtype] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _BY_NAME: Dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
@@ -162,7 +173,9 @@ def check_name(value: Any, where: str) -> str:
     return value
 
 
-def check_dict(value: Any, where: str, keys: Optional[Iterable[str]] = None, optional: Iterable[str] = ()) -> Dict[str, Any]:
+def check_dict(
+    value: Any, where: str, keys: Optional[Iterable[str]] = None, optional: Iterable[str] = ()
+) -> Dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{where}: expected a JSON object, found {_short(value)}")
     if keys is not None:
@@ -235,7 +248,9 @@ class RankMeta:
     world_size: int
     groups: Tuple[GroupEntry, ...]
     buffers: Dict[str, str] = field(default_factory=dict)  # name -> dtype as saved
-    optimizer: Optional[Dict[str, Any]] = None  # {"type", "param_groups": [{hyperparams, "groups": [keys]}], "scalars"}
+    optimizer: Optional[Dict[str, Any]] = (
+        None  # {"type", "param_groups": [{hyperparams, "groups": [keys]}], "scalars"}
+    )
     token: Optional[str] = None  # the save's run token (32 hex digits); None in format 1
     checksums: Optional[Dict[str, str]] = None  # tensor name -> "crc32:<8 hex digits>"; None in format 1
 
@@ -249,7 +264,9 @@ class RankMeta:
         try:
             raw = parse_json(text, where, "it")
         except CheckpointError as e:
-            raise CheckpointError(f"{where}: {what} is not a valid {FORMAT} record ({str(e).removeprefix(f'{where}: it ')})") from None
+            raise CheckpointError(
+                f"{where}: {what} is not a valid {FORMAT} record ({str(e).removeprefix(f'{where}: it ')})"
+            ) from None
         at = f"{where}: {what}"
         if not isinstance(raw, dict) or raw.get("format") not in READABLE:
             found = raw.get("format") if isinstance(raw, dict) else raw
@@ -289,7 +306,9 @@ class RankMeta:
             for name, value in checksums.items():
                 check_name(name, f"{at}, field 'checksums'")
                 if not isinstance(value, str) or not CHECKSUM.fullmatch(value):
-                    raise CheckpointError(f"{at}, checksum of {name!r}: expected 'crc32:<8 hex digits>', found {_short(value)}")
+                    raise CheckpointError(
+                        f"{at}, checksum of {name!r}: expected 'crc32:<8 hex digits>', found {_short(value)}"
+                    )
         return cls(raw["format"], save_id, rank, world, tuple(groups), dict(buffers), optimizer, token, checksums)
 
 
@@ -310,7 +329,9 @@ def _group(raw: Any, where: str, world: int) -> GroupEntry:
     except CheckpointError as e:
         raise CheckpointError(f"{where}, field 'dtype': {e}") from None
     if not isinstance(raw["requires_grad"], bool):
-        raise CheckpointError(f"{where}, field 'requires_grad': expected true or false, found {_short(raw['requires_grad'])}")
+        raise CheckpointError(
+            f"{where}, field 'requires_grad': expected true or false, found {_short(raw['requires_grad'])}"
+        )
     size = group_world * shard_numel
     params = []
     for j, p in enumerate(check_list(raw["params"], f"{where}, field 'params'")):
@@ -320,7 +341,9 @@ def _group(raw: Any, where: str, world: int) -> GroupEntry:
         at = f"{where}, parameter {name!r}"
         shape = tuple(check_int(d, f"{at}, field 'shape'") for d in check_list(p["shape"], f"{at}, field 'shape'"))
         offset = check_int(p["offset"], f"{at}, field 'offset'")
-        aliases = tuple(check_name(a, f"{at}, field 'aliases'") for a in check_list(p["aliases"], f"{at}, field 'aliases'"))
+        aliases = tuple(
+            check_name(a, f"{at}, field 'aliases'") for a in check_list(p["aliases"], f"{at}, field 'aliases'")
+        )
         params.append(ParamEntry(name, shape, offset, aliases))
     end = 0
     for p in sorted(params, key=lambda p: p.offset):
@@ -352,12 +375,18 @@ def _optimizer(raw: Any, where: str, groups: set) -> Optional[Dict[str, Any]]:
             seen.add(key)
         for name, value in pg.items():
             check_name(name, f"{at}, a hyper-parameter name")
-            if name != "groups" and not (_is_scalar(value) or isinstance(value, list) and all(_is_scalar(v) for v in value)):
-                raise CheckpointError(f"{at}, hyper-parameter {name!r}: expected a number, string or flat list, found {_short(value)}")
+            if name != "groups" and not (
+                _is_scalar(value) or isinstance(value, list) and all(_is_scalar(v) for v in value)
+            ):
+                raise CheckpointError(
+                    f"{at}, hyper-parameter {name!r}: expected a number, string or flat list, found {_short(value)}"
+                )
     for name, value in check_dict(raw["scalars"], f"{where}, field 'scalars'").items():
         check_name(name, f"{where}, field 'scalars'")
         if "/" not in name or name.rsplit("/", 1)[0] not in groups or not name.rsplit("/", 1)[1]:
-            raise CheckpointError(f"{where}, field 'scalars': {name!r} is not '<group>/<state>' of a group of the model metadata")
+            raise CheckpointError(
+                f"{where}, field 'scalars': {name!r} is not '<group>/<state>' of a group of the model metadata"
+            )
         if not _is_scalar(value):
             raise CheckpointError(f"{where}, scalar {name!r}: expected a number or string, found {_short(value)}")
     return raw
@@ -393,7 +422,9 @@ def read_record(directory: Path, *, committed: bool = True) -> Optional[Record]:
     path = directory / RECORD
     if not path.is_file():
         if committed:
-            raise CheckpointError(f"{directory}: no {RECORD}, so no complete checkpoint (a save that did not finish leaves none)")
+            raise CheckpointError(
+                f"{directory}: no {RECORD}, so no complete checkpoint (a save that did not finish leaves none)"
+            )
         return None
     try:
         with open(path, "rb") as f:
@@ -412,7 +443,9 @@ def read_record(directory: Path, *, committed: bool = True) -> Optional[Record]:
         check_dict(raw, where, ("format", "save_id", "saves"))
         saves = _saves(raw["saves"], where)
         if committed:
-            raise CheckpointError(f"{directory}: {RECORD} names no committed save yet (the first save into it did not finish)")
+            raise CheckpointError(
+                f"{directory}: {RECORD} names no committed save yet (the first save into it did not finish)"
+            )
         return Record(FORMAT, None, None, 0, (), saves)
     check_dict(raw, where, ("format", "save_id", "world_size", "files") + (("token", "saves") if new else ()))
     save_id = _check_save_name(raw["save_id"], f"{where}, field 'save_id'")
@@ -514,7 +547,9 @@ def read_header(path: Path) -> FileHeader:
             raise CheckpointError(f"{bad} (tensor {name!r} starts at byte {t.begin} of the data, not at {end})")
         end = t.end
     if 8 + length + end != size:
-        raise CheckpointError(f"{bad} (its header describes {8 + length + end} bytes; the file has {size}: truncated or extended)")
+        raise CheckpointError(
+            f"{bad} (its header describes {8 + length + end} bytes; the file has {size}: truncated or extended)"
+        )
     return FileHeader(Path(path), tensors, dict(metadata), 8 + length)
 
 
@@ -537,7 +572,13 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return format_checksum(checksum(flat.view(torch.uint8).numpy()) if flat.numel() else 0)
 
 
-def file_checksum(path: Path, start: int, length: int, buffer: Optional[bytearray] = None, cancelled: Callable[[], bool] = lambda: False) -> int:
+def file_checksum(
+    path: Path,
+    start: int,
+    length: int,
+    buffer: Optional[bytearray] = None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> int:
     """CRC-32 of ``length`` bytes of ``path`` from ``start``, read into one reused buffer."""
     buffer = buffer if buffer is not None else bytearray(min(VERIFY_CHUNK, max(length, 1)))
     view = memoryview(buffer)
@@ -609,7 +650,11 @@ class ShardedCheckpoint:
             )
         if meta.checksums is not None and set(meta.checksums) != set(header.tensors):
             odd = sorted(set(meta.checksums) ^ set(header.tensors))[0]
-            which = "has no checksum for its tensor" if odd in header.tensors else "lists a checksum of a tensor it does not hold,"
+            which = (
+                "has no checksum for its tensor"
+                if odd in header.tensors
+                else "lists a checksum of a tensor it does not hold,"
+            )
             raise CheckpointError(f"{path}: {which} {odd!r}")
         return header, meta
 
@@ -619,8 +664,15 @@ class ShardedCheckpoint:
         first, first_path = self.metas[0], self.files[0]
         optim_first: Optional[Dict[str, Tuple[Tuple[int, ...], torch.dtype]]] = None
         for rank, (path, header, meta) in enumerate(zip(self.files, self.headers, self.metas)):
-            if meta.groups != first.groups or meta.buffers != first.buffers or _optim_layout(meta.optimizer) != _optim_layout(first.optimizer):
-                raise CheckpointError(f"{path}: its layout metadata differs from rank 0's ({first_path.name}): {_first_difference(meta, first)}")
+            if (
+                meta.groups != first.groups
+                or meta.buffers != first.buffers
+                or _optim_layout(meta.optimizer) != _optim_layout(first.optimizer)
+            ):
+                raise CheckpointError(
+                    f"{path}: its layout metadata differs from rank 0's ({first_path.name}): "
+                    f"{_first_difference(meta, first)}"
+                )
             for g in meta.groups:
                 _check_tensor(path, header, f"{MODEL}/{g.key}", g.shard_numel, torch_dtype(g.dtype))
             if rank == 0:
@@ -630,12 +682,16 @@ class ShardedCheckpoint:
             for name in optim:
                 key, _, state = name[len(OPTIM) + 1 :].rpartition("/")
                 if key not in self.groups or not state:
-                    raise CheckpointError(f"{path}: optimizer tensor {name!r} belongs to no group of the model metadata")
+                    raise CheckpointError(
+                        f"{path}: optimizer tensor {name!r} belongs to no group of the model metadata"
+                    )
             if optim_first is None:
                 optim_first = optim
             for name in sorted(set(optim) ^ set(optim_first)):
                 where = "has" if name in optim else "lacks"
-                raise CheckpointError(f"{path}: {where} optimizer tensor {name!r}, unlike rank 0's file {first_path.name}")
+                raise CheckpointError(
+                    f"{path}: {where} optimizer tensor {name!r}, unlike rank 0's file {first_path.name}"
+                )
             for name, (shape, dtype) in optim.items():
                 if (shape, dtype) != optim_first[name]:
                     raise CheckpointError(
@@ -664,14 +720,18 @@ class ShardedCheckpoint:
     def tensor_header(self, rank: int, name: str) -> TensorHeader:
         return self.headers[rank].tensors[name]
 
-    def read_range(self, group: GroupEntry, start: int, stop: int, prefix: str = MODEL, state: str = "") -> torch.Tensor:
+    def read_range(
+        self, group: GroupEntry, start: int, stop: int, prefix: str = MODEL, state: str = ""
+    ) -> torch.Tensor:
         """Elements ``[start, stop)`` of ``group``'s virtual full tensor (1-D, CPU), reading only
         the slices of the rank files that hold them. ``prefix``/``state`` pick the model or an
         optimizer state tensor of the same layout."""
         pieces = self.read_pieces(group, start, stop, prefix, state)
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch_dtype(group.dtype))
 
-    def read_pieces(self, group: GroupEntry, start: int, stop: int, prefix: str = MODEL, state: str = "") -> List[torch.Tensor]:
+    def read_pieces(
+        self, group: GroupEntry, start: int, stop: int, prefix: str = MODEL, state: str = ""
+    ) -> List[torch.Tensor]:
         """``read_range`` as one piece per rank file, not copied: views into the files' memory maps
         (valid after ``close``, which only drops this object's references)."""
         key = f"{prefix}/{group.key}" + (f"/{state}" if state else "")
@@ -712,7 +772,9 @@ class ShardedCheckpoint:
 
     # -- checksums -----------------------------------------------------------------------
 
-    def verify(self, rank: int, names: Optional[Iterable[str]] = None, cancelled: Callable[[], bool] = lambda: False) -> int:
+    def verify(
+        self, rank: int, names: Optional[Iterable[str]] = None, cancelled: Callable[[], bool] = lambda: False
+    ) -> int:
         """Check the bytes of rank ``rank``'s tensors ``names`` (all by default) against the
         checksums in its metadata; returns the bytes read. Format 1 files have none: nothing is read."""
         meta, header, path = self.metas[rank], self.headers[rank], self.files[rank]
@@ -720,7 +782,7 @@ class ShardedCheckpoint:
             return 0
         buffer = bytearray(VERIFY_CHUNK)
         read = 0
-        for name in (header.tensors if names is None else names):
+        for name in header.tensors if names is None else names:
             t = header.tensors[name]
             crc = file_checksum(path, header.data_start + t.begin, t.end - t.begin, buffer, cancelled)
             if cancelled():
@@ -739,7 +801,9 @@ def _check_tensor(path: Path, header: FileHeader, key: str, count: Optional[int]
         raise CheckpointError(f"{path}: has no tensor {key!r}, which its metadata lists")
     t = header.tensors[key]
     if count is not None and t.numel != count:
-        raise CheckpointError(f"{path}: tensor {key!r} has {t.numel} elements (shape {list(t.shape)}); its metadata says {count}")
+        raise CheckpointError(
+            f"{path}: tensor {key!r} has {t.numel} elements (shape {list(t.shape)}); its metadata says {count}"
+        )
     if t.dtype != dtype:
         raise CheckpointError(f"{path}: tensor {key!r} is {SAFETENSORS_DTYPES[t.dtype]}; its metadata says {dtype}")
 

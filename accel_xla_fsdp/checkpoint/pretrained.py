@@ -85,7 +85,8 @@ class PretrainedWeights:
     def unstored_meta_parameters(self, model: nn.Module) -> List[str]:
         """Names of ``model``'s parameters on the meta device stored under none of their names."""
         return [
-            n for n, p in model.named_parameters()
+            n
+            for n, p in model.named_parameters()
             if p.is_meta and not any(name in self._file_of for name in self._aliases.get(id(p), [n]))
         ]
 
@@ -151,4 +152,6 @@ def _tensor_files(folder: Path) -> Dict[str, Path]:
         return files
     if (folder / SINGLE).is_file():
         return {name: folder / SINGLE for name in read_header(folder / SINGLE).tensors}
-    raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX}; save the model with save_pretrained(safe_serialization=True)")
+    raise CheckpointError(
+        f"{folder}: neither {SINGLE} nor {INDEX}; save the model with save_pretrained(safe_serialization=True)"
+    )

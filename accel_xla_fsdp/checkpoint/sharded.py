@@ -23,8 +23,24 @@ from ..param_group import ParamSlot, ShardedParamGroup
 from ..state_dict import buffer_original_dtype, full_name, join, original_name
 from .files import check_free_space, check_writable, remove_tree, write_atomically
 from .format import (
-    BUFFER, FORMAT, FORMAT_1, META_KEY, MODEL, OPTIM, RECORD, SAVE_NAME, CheckpointError, GroupEntry, ParamEntry,
-    RankMeta, Record, ShardedCheckpoint, dtype_name, rank_file_name, read_record, tensor_checksum,
+    BUFFER,
+    FORMAT,
+    FORMAT_1,
+    META_KEY,
+    MODEL,
+    OPTIM,
+    RECORD,
+    SAVE_NAME,
+    CheckpointError,
+    GroupEntry,
+    ParamEntry,
+    RankMeta,
+    Record,
+    ShardedCheckpoint,
+    dtype_name,
+    rank_file_name,
+    read_record,
+    tensor_checksum,
 )
 
 
@@ -38,7 +54,9 @@ class ParamSource(Protocol):
 # Saving
 
 
-def save_sharded(model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: str) -> None:
+def save_sharded(
+    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: str
+) -> None:
     """Write this replica's shards (and optimizer state) into ``directory``; call on every replica.
 
     All or nothing ([Note: checkpoint layout]): the checkpoint already in ``directory`` stays
@@ -93,7 +111,9 @@ def save_sharded(model: XlaFullyShardedDataParallel, optimizer: Optional[torch.o
         except Exception as e:  # noqa: BLE001
             error = e
     # No rank reads the directory before it is committed, and every rank learns if it was not.
-    _raise_if_failed(_agree(_flags(world, rank, error)), error, root, f"commit {save_id} (the previous checkpoint is as it was)")
+    _raise_if_failed(
+        _agree(_flags(world, rank, error)), error, root, f"commit {save_id} (the previous checkpoint is as it was)"
+    )
 
 
 def _check_root(model: nn.Module) -> None:
@@ -214,7 +234,8 @@ def _param_entries(prefix: str, group: ShardedParamGroup) -> Tuple[ParamEntry, .
 
 
 def _rank_tensors(
-    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer],
+    model: XlaFullyShardedDataParallel,
+    optimizer: Optional[torch.optim.Optimizer],
     groups: List[Tuple[str, str, ShardedParamGroup]],
 ) -> Tuple[Dict[str, torch.Tensor], Tuple[Any, ...]]:
     """This rank's tensors, and its layout: (groups, buffers, optimizer) of ``RankMeta``."""
@@ -222,11 +243,16 @@ def _rank_tensors(
     entries = []
     for prefix, key, group in groups:
         tensors[f"{MODEL}/{key}"] = group.shard.detach().cpu().contiguous()
-        entries.append(GroupEntry(
-            key=key, shard_numel=group.shard.numel(), world_size=group.sharding.world_size,
-            dtype=dtype_name(group.shard.dtype), requires_grad=group.shard.requires_grad,
-            params=_param_entries(prefix, group),
-        ))
+        entries.append(
+            GroupEntry(
+                key=key,
+                shard_numel=group.shard.numel(),
+                world_size=group.sharding.world_size,
+                dtype=dtype_name(group.shard.dtype),
+                requires_grad=group.shard.requires_grad,
+                params=_param_entries(prefix, group),
+            )
+        )
     buffers = {}
     for name, buf in model.named_buffers():
         value = buf.detach().cpu().to(buffer_original_dtype(model.unit_state, name) or buf.dtype).contiguous()
@@ -237,7 +263,9 @@ def _rank_tensors(
 
 
 def _optimizer_tensors(
-    optimizer: torch.optim.Optimizer, groups: List[Tuple[str, str, ShardedParamGroup]], tensors: Dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    groups: List[Tuple[str, str, ShardedParamGroup]],
+    tensors: Dict[str, torch.Tensor],
 ) -> Dict[str, Any]:
     key_of = {id(g.shard): key for _, key, g in groups}
     param_groups, scalars = [], {}
@@ -272,7 +300,9 @@ def _is_json(value: Any) -> bool:
 # Loading
 
 
-def load_sharded(model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: str) -> None:
+def load_sharded(
+    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: str
+) -> None:
     """Load a checkpoint saved by ``save_sharded`` on any number of ranks, in any layout.
 
     Call on every replica. The model (and optimizer) must be the same as when saved, wrapped in
@@ -300,7 +330,9 @@ def load_sharded(model: XlaFullyShardedDataParallel, optimizer: Optional[torch.o
     _xla.sync()
 
 
-def _check_same_model(ckpt: ShardedCheckpoint, groups: List[Tuple[str, str, ShardedParamGroup]], model: nn.Module) -> None:
+def _check_same_model(
+    ckpt: ShardedCheckpoint, groups: List[Tuple[str, str, ShardedParamGroup]], model: nn.Module
+) -> None:
     mine = {e.name: e.shape for prefix, _, g in groups for e in _param_entries(prefix, g)}
     theirs = {name: entry.shape for name, (_, entry) in ckpt.params.items()}
     missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
@@ -318,7 +350,9 @@ def _check_same_model(ckpt: ShardedCheckpoint, groups: List[Tuple[str, str, Shar
             raise CheckpointError(f"{ckpt.files[0]}: has no buffer {name!r} of the model being loaded")
         saved_shape = ckpt.buffer_spec(name)[0]
         if saved_shape != tuple(buf.shape):
-            raise CheckpointError(f"{ckpt.files[0]}: buffer {name!r} is {list(saved_shape)} saved, {list(buf.shape)} here")
+            raise CheckpointError(
+                f"{ckpt.files[0]}: buffer {name!r} is {list(saved_shape)} saved, {list(buf.shape)} here"
+            )
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, ckpt: ShardedCheckpoint) -> None:
@@ -345,7 +379,9 @@ def _verify_together(ckpt: ShardedCheckpoint, with_optimizer: bool) -> None:
         try:
             ckpt.verify(index, names)
         except (CheckpointError, OSError) as e:
-            error = e if isinstance(e, CheckpointError) else CheckpointError(f"{ckpt.files[index]}: cannot be read ({e})")
+            error = (
+                e if isinstance(e, CheckpointError) else CheckpointError(f"{ckpt.files[index]}: cannot be read ({e})")
+            )
             flags[index] = 1
             break
     bad = [i for i, f in enumerate(_agree(flags)) if f]
@@ -364,7 +400,9 @@ def fill_group(group: ShardedParamGroup, prefix: str, source: ParamSource) -> No
     group.shard.copy_(values.to(group.shard.device))
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, groups: List[Tuple[str, str, ShardedParamGroup]], ckpt: ShardedCheckpoint) -> None:
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, groups: List[Tuple[str, str, ShardedParamGroup]], ckpt: ShardedCheckpoint
+) -> None:
     saved = ckpt.metas[0].optimizer
     assert saved is not None
     by_shard = {id(g.shard): (prefix, g) for prefix, _, g in groups}
@@ -376,7 +414,9 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, groups: List[Tuple[str, st
             optimizer.state[p] = _state_for(group, prefix, ckpt, saved, first_rank_names)
 
 
-def _state_for(group: ShardedParamGroup, prefix: str, ckpt: ShardedCheckpoint, saved: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+def _state_for(
+    group: ShardedParamGroup, prefix: str, ckpt: ShardedCheckpoint, saved: Dict[str, Any], names: List[str]
+) -> Dict[str, Any]:
     """One shard's optimizer state: tensors shaped like the saved shards resharded element by
     element, the others (``step``) taken from the saved group holding this group's first parameter."""
     first = _param_entries(prefix, group)[0].name

@@ -42,7 +42,9 @@ def find_rank_files(path: Path) -> List[Path]:
             m = pattern.match(p.name)
             if m:
                 if len(m["rank"]) > 9 or len(m["world"]) > 9:
-                    raise CheckpointError(f"{p}: rank {m['rank']} of {m['world']} in its name is not a rank of a world size")
+                    raise CheckpointError(
+                        f"{p}: rank {m['rank']} of {m['world']} in its name is not a rank of a world size"
+                    )
                 rank, world = int(m["rank"]), int(m["world"])
                 if not 0 <= rank < world:
                     raise CheckpointError(f"{p}: its name says rank {rank} of a world of {world}")
@@ -56,8 +58,10 @@ def find_rank_files(path: Path) -> List[Path]:
             "rank<r>-of-<N>-pytorch_model.bin)"
         )
     if len(found) > 1:
-        raise CheckpointError(f"{path}: rank files of several checkpoints ({sorted(found)[:4]}); give one file of the one to convert")
-    ((_, world), ranks), = found.items()
+        raise CheckpointError(
+            f"{path}: rank files of several checkpoints ({sorted(found)[:4]}); give one file of the one to convert"
+        )
+    (((_, world), ranks),) = found.items()
     if world > len(ranks):
         missing = sorted(set(range(min(world, len(ranks) + 8))) - set(ranks))[:8]
         raise CheckpointError(
@@ -82,12 +86,18 @@ def _load(path: Path) -> Dict[str, Any]:
             f"(torch.load(weights_only=True) said: {str(e).splitlines()[0] if str(e) else e!r}); it could run code"
         ) from None
     except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+        raise CheckpointError(
+            f"{path}: not a readable torch checkpoint ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
 
 
 def _shape(value: Any, where: str) -> Tuple[int, ...]:
-    if not isinstance(value, (torch.Size, list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise CheckpointError(f"{where}: expected a shape (a list of sizes), found {type(value).__name__} {str(value)[:60]}")
+    if not isinstance(value, (torch.Size, list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        raise CheckpointError(
+            f"{where}: expected a shape (a list of sizes), found {type(value).__name__} {str(value)[:60]}"
+        )
     return tuple(value)
 
 
@@ -131,12 +141,20 @@ class TorchXlaCheckpoint:
         state = _dict(ckpt["model"], f"{path}: model")
         for key, value in state.items():
             check_name(key, f"{path}: a state dict key")
-            if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: model[{key!r}] is not a dense tensor of a dtype safetensors holds ({type(value).__name__})")
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.layout != torch.strided
+                or value.dtype not in SAFETENSORS_DTYPES
+            ):
+                raise CheckpointError(
+                    f"{path}: model[{key!r}] is not a dense tensor of a dtype safetensors holds "
+                    f"({type(value).__name__})"
+                )
         said = (meta.get("rank"), meta.get("world_size"))
         if not all(type(v) is int for v in said) or said != (rank, self.world_size):
             raise CheckpointError(
-                f"{path}: its metadata says rank {str(meta.get('rank'))[:20]} of {str(meta.get('world_size'))[:20]}, its name "
+                f"{path}: its metadata says rank {str(meta.get('rank'))[:20]} of "
+                f"{str(meta.get('world_size'))[:20]}, its name "
                 f"rank {rank} of {self.world_size}: files of different checkpoints are mixed"
             )
         return ckpt
@@ -150,7 +168,10 @@ class TorchXlaCheckpoint:
             except Exception:  # noqa: BLE001 - values that do not compare (tensors)
                 same = False
             if not same:
-                raise CheckpointError(f"{path}: its shard_metadata differs from rank 0's ({self.files[0].name}): files of different checkpoints are mixed")
+                raise CheckpointError(
+                    f"{path}: its shard_metadata differs from rank 0's ({self.files[0].name}): files of different "
+                    "checkpoints are mixed"
+                )
 
     def _check_same_tensors(self) -> None:
         """Every rank holds the tensors rank 0 does, of its dtype and shape ("shards of one dtype")."""
@@ -158,11 +179,15 @@ class TorchXlaCheckpoint:
         for path, state in zip(self.files[1:], self._states[1:]):
             mine = {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
             for key in sorted(set(mine) ^ set(first)):
-                raise CheckpointError(f"{path}: {'has' if key in mine else 'lacks'} tensor {key!r}, unlike rank 0's file {self.files[0].name}")
+                raise CheckpointError(
+                    f"{path}: {'has' if key in mine else 'lacks'} tensor {key!r}, unlike rank 0's file "
+                    f"{self.files[0].name}"
+                )
             for key, spec in mine.items():
                 if spec != first[key]:
                     raise CheckpointError(
-                        f"{path}: tensor {key!r} is {spec[0]} {list(spec[1])}, in rank 0's file {first[key][0]} {list(first[key][1])}"
+                        f"{path}: tensor {key!r} is {spec[0]} {list(spec[1])}, in rank 0's file "
+                        f"{first[key][0]} {list(first[key][1])}"
                     )
 
     def _add_buffer(self, key: str, tensor: torch.Tensor, buffer_info: Dict[str, Any]) -> None:
@@ -171,7 +196,9 @@ class TorchXlaCheckpoint:
         if info is not None:
             dtype = _dict(info, f"{self.files[0]}: buffer_info[{key!r}]").get("_orig_dtype")
             if dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{self.files[0]}: buffer_info[{key!r}]['_orig_dtype'] is {str(dtype)[:40]}, not a dtype")
+                raise CheckpointError(
+                    f"{self.files[0]}: buffer_info[{key!r}]['_orig_dtype'] is {str(dtype)[:40]}, not a dtype"
+                )
         name = _clean(key)
         if name in self.buffers or name in self.params:
             raise CheckpointError(f"{self.files[0]}: {name!r} is named twice")
@@ -192,14 +219,23 @@ class TorchXlaCheckpoint:
         orig = ".".join(p for p in (prefix, orig_name) if p)
         if "_fsdp_wrapped_module.flat_param_" in orig:
             flat = _dict(meta.get("flatten_info"), f"{self.files[0]}: shard_metadata['flatten_info']").get(orig)
-            if not isinstance(flat, (tuple, list)) or len(flat) != 3 or not all(isinstance(x, (list, tuple)) for x in flat):
+            if (
+                not isinstance(flat, (tuple, list))
+                or len(flat) != 3
+                or not all(isinstance(x, (list, tuple)) for x in flat)
+            ):
                 raise CheckpointError(f"{where}: flatten_info[{orig!r}] is not (names, shapes, numels)")
             names, shapes, numels = flat
             shapes = [_shape(s, f"{where}: flatten_info[{orig!r}] shapes") for s in shapes]
             if len(names) != len(shapes) or len(numels) != len(shapes) or list(numels) != [numel(s) for s in shapes]:
-                raise CheckpointError(f"{where}: flatten_info[{orig!r}] lists names, shapes and numels that do not agree")
+                raise CheckpointError(
+                    f"{where}: flatten_info[{orig!r}] lists names, shapes and numels that do not agree"
+                )
             if sum(numels) != numel(orig_size):
-                raise CheckpointError(f"{where}: flatten_info[{orig!r}] holds {sum(numels)} elements, its '_orig_size' {numel(orig_size)}")
+                raise CheckpointError(
+                    f"{where}: flatten_info[{orig!r}] holds {sum(numels)} elements, its '_orig_size' "
+                    f"{numel(orig_size)}"
+                )
             owner = orig.rsplit(".", 1)[0]
             members = [(f"{owner}.{check_name(n, f'{where}: flatten_info names')}", s) for n, s in zip(names, shapes)]
         else:
@@ -227,7 +263,8 @@ class TorchXlaCheckpoint:
         if not ok:
             raise CheckpointError(
                 f"{where}: its '_orig_size' {list(orig_size)} ({wanted} elements) does not fit the {world} shards of "
-                f"shape {list(shard.shape)} ({held} elements; torch_xla pads fewer than {world} x {_SHARD_SIZE_MULTIPLE}): "
+                f"shape {list(shard.shape)} ({held} elements; torch_xla pads fewer than "
+                f"{world} x {_SHARD_SIZE_MULTIPLE}): "
                 "the metadata is not of these shards"
             )
 

@@ -63,7 +63,9 @@ class Accelerator(accelerate.Accelerator):
     read from the environment and the ``accelerate launch`` config file).
     """
 
-    def __init__(self, *args: Any, fsdp_plugin: Optional[Any] = None, mixed_precision: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fsdp_plugin: Optional[Any] = None, mixed_precision: Optional[str] = None, **kwargs: Any
+    ) -> None:
         if fsdp_plugin is not None and not isinstance(fsdp_plugin, XlaFsdpPlugin):
             raise TypeError(
                 f"fsdp_plugin must be an accel_xla_fsdp.XlaFsdpPlugin, got {type(fsdp_plugin).__name__} "
@@ -116,7 +118,9 @@ class Accelerator(accelerate.Accelerator):
                 move_onto_shards(optimizer, self._unwrapped_names, self._shard_of)
         return super().prepare(*args, device_placement=device_placement)
 
-    def shard_model(self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None) -> XlaFullyShardedDataParallel:
+    def shard_model(
+        self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None
+    ) -> XlaFullyShardedDataParallel:
         """``model`` wrapped by the plugin's settings, every replica starting from rank 0's weights
         if ``fsdp_sync_module_states``; ``transformers``' gradient checkpointing becomes ours.
         ``flat_shard_key``: see ``XlaFullyShardedDataParallel``."""
@@ -130,14 +134,21 @@ class Accelerator(accelerate.Accelerator):
             _xla.broadcast_from_rank0_([*model.parameters(), *model.buffers()])
         blocks = _take_over_gradient_checkpointing(model)
         wrapped = plugin.wrap(
-            model, self.compute_dtype, checkpoint_blocks=plugin.activation_checkpointing and not blocks,
-            flat_shard_key=flat_shard_key, param_init_fn=source,
+            model,
+            self.compute_dtype,
+            checkpoint_blocks=plugin.activation_checkpointing and not blocks,
+            flat_shard_key=flat_shard_key,
+            param_init_fn=source,
         )
-        logger.info(f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units")
+        logger.info(
+            f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units"
+        )
         route_generate(wrapped)  # unwrap_model(model).generate(...), as transformers' seq2seq examples call it
         return wrapped
 
-    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         if not isinstance(model, XlaFullyShardedDataParallel):
             model = self.shard_model(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -145,7 +156,9 @@ class Accelerator(accelerate.Accelerator):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
         if isinstance(optimizer, XlaFsdpOptimizer):
             return optimizer
-        prepared = XlaFsdpOptimizer(optimizer, device_placement=self.device_placement if device_placement is None else device_placement)
+        prepared = XlaFsdpOptimizer(
+            optimizer, device_placement=self.device_placement if device_placement is None else device_placement
+        )
         self._optimizers.append(prepared)
         return prepared
 
@@ -199,7 +212,9 @@ class Accelerator(accelerate.Accelerator):
 
     # -- whole model -----------------------------------------------------------------------------
 
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> nn.Module:
         """The model inside the FSDP wrapper. Its parameters hold no data between forwards, but its
         ``state_dict()`` (so its ``save_pretrained``) gives the whole model, gathered: call it on
         every replica."""
@@ -216,7 +231,9 @@ class Accelerator(accelerate.Accelerator):
             return model.model_state_dict()
         return super().get_state_dict(model, unwrap)
 
-    def save_model(self, model: nn.Module, save_directory: Any, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
+    def save_model(
+        self, model: nn.Module, save_directory: Any, max_shard_size: Any = "10GB", safe_serialization: bool = True
+    ) -> None:
         """The whole model in the Hugging Face layout (``config.json`` too for a ``transformers``
         model, which ``from_pretrained`` then loads). Call on every replica; the main one writes."""
         if not isinstance(model, XlaFullyShardedDataParallel):
@@ -226,11 +243,18 @@ class Accelerator(accelerate.Accelerator):
         if self.is_main_process:
             inner = model.module
             if hasattr(inner, "save_pretrained"):
-                inner.save_pretrained(save_directory, state_dict=state, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+                inner.save_pretrained(
+                    save_directory,
+                    state_dict=state,
+                    max_shard_size=max_shard_size,
+                    safe_serialization=safe_serialization,
+                )
             else:
                 from huggingface_hub import save_torch_state_dict
 
-                save_torch_state_dict(state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+                save_torch_state_dict(
+                    state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+                )
         self.wait_for_everyone()
 
     # -- checkpoints ---------------------------------------------------------------------------

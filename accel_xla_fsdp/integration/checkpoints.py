@@ -26,7 +26,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
 from accelerate.utils import RNG_STATE_NAME
 from accelerate.utils import load as accelerate_load
 
@@ -59,7 +64,9 @@ def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> L
         owned = {id(p) for p in model.parameters()}
         mine = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
         if len(mine) > 1:
-            raise ValueError(f"{len(mine)} optimizers step the parameters of one model; save_state keeps one per model")
+            raise ValueError(
+                f"{len(mine)} optimizers step the parameters of one model; save_state keeps one per model"
+            )
         pairs.append((model, mine[0].optimizer if mine else None))
     return pairs
 
@@ -87,12 +94,21 @@ def save(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], full_st
     for index, (model, optimizer) in enumerate(pairs):
         save_sharded(model, optimizer, str(sharded_dir(partial, index)))
     save_accelerator_state(
-        str(partial), [], [], accelerator._schedulers, accelerator._dataloaders, accelerator.process_index,
-        accelerator.step, None, save_on_each_node=accelerator.project_configuration.save_on_each_node,
+        str(partial),
+        [],
+        [],
+        accelerator._schedulers,
+        accelerator._dataloaders,
+        accelerator.process_index,
+        accelerator.step,
+        None,
+        save_on_each_node=accelerator.project_configuration.save_on_each_node,
         safe_serialization=False,
     )
     for index, obj in enumerate(accelerator._custom_objects):
-        save_custom_state(obj, str(partial), index, save_on_each_node=accelerator.project_configuration.save_on_each_node)
+        save_custom_state(
+            obj, str(partial), index, save_on_each_node=accelerator.project_configuration.save_on_each_node
+        )
     if main and full_state_dict:
         for index, (model, _) in enumerate(pairs):
             config = getattr(model.module, "config", None)
@@ -140,8 +156,15 @@ def load(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], load_kw
         load_sharded(model, optimizer, str(sharded_dir(folder, index)))
     with _accelerate_files:
         restored = load_accelerator_state(
-            str(folder), [], [], accelerator._schedulers, accelerator._dataloaders, accelerator.process_index,
-            None, "cpu", load_kwargs,
+            str(folder),
+            [],
+            [],
+            accelerator._schedulers,
+            accelerator._dataloaders,
+            accelerator.process_index,
+            None,
+            "cpu",
+            load_kwargs,
         )
         for index, obj in enumerate(accelerator._custom_objects):
             load_custom_state(obj, str(folder), index)
@@ -155,5 +178,7 @@ def saved_step(folder: Path) -> int:
     (resumed on more replicas than saved) still resumes at the step the others do."""
     path = folder / f"{RNG_STATE_NAME}_0.pkl"
     if not path.is_file():
-        raise CheckpointError(f"{folder} has no {path.name}: not a complete save_state folder (it holds the step to resume at)")
+        raise CheckpointError(
+            f"{folder} has no {path.name}: not a complete save_state folder (it holds the step to resume at)"
+        )
     return int(accelerate_load(path)["step"])

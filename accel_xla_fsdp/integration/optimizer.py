@@ -38,7 +38,9 @@ def holds_any(optimizer: torch.optim.Optimizer, params: Dict[int, Any]) -> bool:
     return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
 
 
-def move_onto_shards(optimizer: torch.optim.Optimizer, names: Dict[int, str], shard_of: Dict[int, nn.Parameter]) -> None:
+def move_onto_shards(
+    optimizer: torch.optim.Optimizer, names: Dict[int, str], shard_of: Dict[int, nn.Parameter]
+) -> None:
     """Point ``optimizer``'s groups at the shards holding their parameters.
 
     ``names`` names the unwrapped models' parameters (by ``id``), ``shard_of`` gives each one's
@@ -67,7 +69,9 @@ def move_onto_shards(optimizer: torch.optim.Optimizer, names: Dict[int, str], sh
         group["params"] = params
 
 
-def _shard_holding(p: torch.Tensor, shard_of: Dict[int, nn.Parameter], optimizer: torch.optim.Optimizer) -> nn.Parameter:
+def _shard_holding(
+    p: torch.Tensor, shard_of: Dict[int, nn.Parameter], optimizer: torch.optim.Optimizer
+) -> nn.Parameter:
     shard = shard_of.get(id(p))
     if shard is None:
         raise ValueError(
@@ -78,9 +82,7 @@ def _shard_holding(p: torch.Tensor, shard_of: Dict[int, nn.Parameter], optimizer
 
 
 def _check_same_hyperparameters(optimizer: torch.optim.Optimizer, first: int, other: int, name: str) -> None:
-    a, b = (
-        {k: v for k, v in optimizer.param_groups[i].items() if k != "params"} for i in (first, other)
-    )
+    a, b = ({k: v for k, v in optimizer.param_groups[i].items() if k != "params"} for i in (first, other))
     if a != b:
         raise ValueError(
             f"'{name}' shares a flat shard with parameters of another param group whose settings differ "

@@ -98,7 +98,9 @@ def parse_wrap_policy(key: str, value: Any) -> Any:
         return value
     policy = str(value).strip().lower()
     if policy not in WRAP_POLICIES:
-        raise ValueError(f"{key}: expected one of {[p.upper() for p in WRAP_POLICIES]} or a policy callable, got {value!r}")
+        raise ValueError(
+            f"{key}: expected one of {[p.upper() for p in WRAP_POLICIES]} or a policy callable, got {value!r}"
+        )
     return policy
 
 
@@ -109,7 +111,9 @@ def parse_reshard(key: str, value: Any) -> bool:
     if text in strategies:
         return strategies[text]
     if text in ("no_shard", "3", "hybrid_shard", "4", "hybrid_shard_zero2", "5"):
-        raise ValueError(f"{key}: {value!r} is not offered by XLA FSDP; use FULL_SHARD (true) or SHARD_GRAD_OP (false)")
+        raise ValueError(
+            f"{key}: {value!r} is not offered by XLA FSDP; use FULL_SHARD (true) or SHARD_GRAD_OP (false)"
+        )
     return parse_bool(key, value)
 
 
@@ -145,7 +149,10 @@ NOT_CONFIGURABLE = ("compute_dtype", "sharding_groups", "sharding_rank", "shardi
 _OPTION_FIELDS = {f.name: f for f in fields(FsdpOptions)}
 _OPTION_TYPES = typing.get_type_hints(FsdpOptions)
 _TYPE_PARSERS: Dict[type, Callable[[str, Any], Any]] = {
-    bool: parse_bool, int: parse_int, float: parse_float, torch.dtype: parse_dtype,
+    bool: parse_bool,
+    int: parse_int,
+    float: parse_float,
+    torch.dtype: parse_dtype,
 }
 
 
@@ -171,7 +178,9 @@ class XlaFsdpPlugin:
 
     # Accelerate's FSDP settings that say what to wrap and how to save and load.
     auto_wrap_policy: Optional[Union[str, Policy]] = _setting(
-        "fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", None,
+        "fsdp_auto_wrap_policy",
+        "FSDP_AUTO_WRAP_POLICY",
+        None,
         "Which submodules become FSDP units of their own: TRANSFORMER_BASED_WRAP (the block classes "
         "below), SIZE_BASED_WRAP (by fsdp_min_num_params), NO_WRAP (one unit), or a policy callable. "
         "Unset: TRANSFORMER_BASED_WRAP for a model that names its blocks (transformers' "
@@ -179,35 +188,47 @@ class XlaFsdpPlugin:
         parse_wrap_policy,
     )
     transformer_cls_names_to_wrap: Optional[Union[str, Sequence[str]]] = _setting(
-        "fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", None,
+        "fsdp_transformer_layer_cls_to_wrap",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP",
+        None,
         "Block class names to wrap, comma-separated (default: the model's _no_split_modules).",
         parse_class_names,
     )
     min_num_params: Optional[int] = _setting(
-        "fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", 100_000_000,
+        "fsdp_min_num_params",
+        "FSDP_MIN_NUM_PARAMS",
+        100_000_000,
         "SIZE_BASED_WRAP: wrap a module once this many of its parameters are not yet wrapped.",
         parse_int,
     )
     activation_checkpointing: Optional[bool] = _setting(
-        "fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", False,
+        "fsdp_activation_checkpointing",
+        "FSDP_ACTIVATION_CHECKPOINTING",
+        False,
         "Checkpoint every wrapped block (recompute its activations in backward, in a form the XLA "
         "compiler cannot undo).",
         parse_bool,
     )
     state_dict_type: Optional[str] = _setting(
-        "fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", "sharded_state_dict",
+        "fsdp_state_dict_type",
+        "FSDP_STATE_DICT_TYPE",
+        "sharded_state_dict",
         "What save_state writes: SHARDED_STATE_DICT (each rank its shard, loadable on any number of "
         "ranks) or FULL_STATE_DICT (that, plus the consolidated model in the Hugging Face layout).",
         parse_state_dict_type,
     )
     cpu_ram_efficient_loading: Optional[bool] = _setting(
-        "fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", False,
+        "fsdp_cpu_ram_efficient_loading",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING",
+        False,
         "from_pretrained builds the model on the meta device and prepare() reads each replica's shards "
         "from the weight files: the model is never whole in host memory (pretrained_loading.py).",
         parse_bool,
     )
     sync_module_states: Optional[bool] = _setting(
-        "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", True,
+        "fsdp_sync_module_states",
+        "FSDP_SYNC_MODULE_STATES",
+        True,
         "Give every replica rank 0's initial weights before sharding.",
         parse_bool,
     )
@@ -282,8 +303,12 @@ class XlaFsdpPlugin:
         return None
 
     def wrap(
-        self, model: nn.Module, compute_dtype: torch.dtype, checkpoint_blocks: bool,
-        flat_shard_key: Optional[FlatShardKey] = None, param_init_fn: Optional[ParamInitFn] = None,
+        self,
+        model: nn.Module,
+        compute_dtype: torch.dtype,
+        checkpoint_blocks: bool,
+        flat_shard_key: Optional[FlatShardKey] = None,
+        param_init_fn: Optional[ParamInitFn] = None,
     ) -> XlaFullyShardedDataParallel:
         """``model`` sharded by these settings (block class names checked against it); with
         ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed.
@@ -294,8 +319,12 @@ class XlaFsdpPlugin:
         root = checkpoint_module(model) if checkpoint_blocks and policy is None else model
         with sharing_options(options):  # the wrappers keep this object: options are made once
             return XlaFullyShardedDataParallel(
-                root, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, flat_shard_key=flat_shard_key,
-                param_init_fn=param_init_fn, **options.as_arguments(),
+                root,
+                auto_wrap_policy=policy,
+                auto_wrapper_callable=wrapper,
+                flat_shard_key=flat_shard_key,
+                param_init_fn=param_init_fn,
+                **options.as_arguments(),
             )
 
 

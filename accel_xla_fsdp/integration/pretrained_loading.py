@@ -50,7 +50,12 @@ _LOADED: "weakref.WeakKeyDictionary[nn.Module, Tuple[PretrainedWeights, Removabl
 )
 _prepared = threading.local()  # this replica prepared a model: later loads are not deferred
 _UNSUPPORTED_ARGUMENTS = (
-    "device_map", "quantization_config", "gguf_file", "state_dict", "tp_plan", "distributed_config",
+    "device_map",
+    "quantization_config",
+    "gguf_file",
+    "state_dict",
+    "tp_plan",
+    "distributed_config",
 )
 
 
@@ -277,8 +282,12 @@ def _remember_files(
         else:
             _set_buffer(model, name, source.read_whole(name, tensor))
     info = LoadStateDictInfo(
-        missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(), error_msgs=[],
-        conversion_errors={}, skipped_pp_keys=set(),
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
     )
     return info, source
 

@@ -44,8 +44,16 @@ BUILDING = threading.RLock()
 _own = threading.local()  # .generator: this replica thread's, once it seeded; .building: in a build
 _ROUTED_FUNCTIONS = ("bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm")
 _ROUTED_METHODS = (
-    "bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "multinomial", "normal_",
-    "random_", "uniform_",
+    "bernoulli",
+    "bernoulli_",
+    "cauchy_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "multinomial",
+    "normal_",
+    "random_",
+    "uniform_",
 )
 _originals: Dict[str, Callable[..., Any]] = {}
 

@@ -64,7 +64,9 @@ def pad_across_processes(data: Any, dim: int, pad_index: int, pad_first: bool) -
     """Pad each tensor along ``dim`` to the largest size any replica has there (shapes only are
     exchanged: nothing is read back from the device)."""
     leaves, spec, everyone = _exchange_leaves(data, "pad_across_processes", lambda t: tuple(t.shape))
-    padded = [_pad(leaf, [theirs[i] for theirs in everyone], dim, pad_index, pad_first) for i, leaf in enumerate(leaves)]
+    padded = [
+        _pad(leaf, [theirs[i] for theirs in everyone], dim, pad_index, pad_first) for i, leaf in enumerate(leaves)
+    ]
     return tree_unflatten(padded, spec)
 
 

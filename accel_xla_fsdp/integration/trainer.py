@@ -203,8 +203,9 @@ class Trainer(_OnXlaFsdp, transformers.Trainer):
 class Seq2SeqTrainer(_OnXlaFsdp, transformers.Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` training with XLA FSDP (module docstring)."""
 
-    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None,
-                        **gen_kwargs: Any) -> Any:
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **gen_kwargs: Any
+    ) -> Any:
         """With ``predict_with_generate`` the Seq2SeqTrainer calls ``self.model.generate``: here the
         sharded model's, which gathers every unit once for the whole generation (the unwrapped
         model's parameters hold no data outside a forward). Every replica calls it (the Trainer does)."""

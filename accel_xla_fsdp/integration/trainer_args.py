@@ -27,8 +27,15 @@ _NOT_IN_SETTINGS = {
     "sharding_world_size": "XLA FSDP shards over every replica here",
 }
 # fsdp_config keys of the Trainer's own (not Accelerate's, which pass through with their prefix).
-_TRAINER_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings", "min_num_params",
-                 "transformer_layer_cls_to_wrap", "cpu_offload")
+_TRAINER_KEYS = (
+    "xla",
+    "xla_fsdp_v2",
+    "xla_fsdp_grad_ckpt",
+    "xla_fsdp_settings",
+    "min_num_params",
+    "transformer_layer_cls_to_wrap",
+    "cpu_offload",
+)
 
 
 def check_precision(args: Any) -> None:
