@@ -70,6 +70,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) on q_proj and v_proj")
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
     p.add_argument("--fsdp-config", default=None, help="TrainingArguments(fsdp=True, fsdp_config=this JSON)")
     return p.parse_args()
 
@@ -97,6 +98,7 @@ def main() -> None:
         seed=7,
         disable_tqdm=True,
         activation_checkpointing=cli.activation_checkpointing,
+        bf16=cli.bf16,
         fsdp=bool(cli.fsdp_config),
         fsdp_config=json.loads(cli.fsdp_config) if cli.fsdp_config else None,
     )
