@@ -43,11 +43,18 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _run(command: List[str], env: Dict[str, str], out: Path) -> Dict:
+# The CPU reference (torchrun, gloo, stock script) aborted once as its process exited, its results
+# written: gloo's threads torn down at interpreter exit (destroy_process_group at the end hung
+# instead). That abort alone, after a complete result file, is not a failed reference run.
+_EXIT_TEARDOWN = "terminate called without an active exception"
+
+
+def _run(command: List[str], env: Dict[str, str], out: Path, reference: bool = False) -> Dict:
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=out.parent)
     out.with_suffix(".stderr").write_text(done.stderr)
     stderr = out.with_suffix(".stderr")
-    assert done.returncode == 0, f"{command[0]} failed (whole stderr: {stderr}):\n{done.stderr[-6000:]}"
+    torn_down = reference and _EXIT_TEARDOWN in done.stderr and out.is_file()
+    assert done.returncode == 0 or torn_down, f"{command[0]} failed (whole stderr: {stderr}):\n{done.stderr[-6000:]}"
     for divergence in ("from different places", "compiled its own program"):
         assert divergence not in done.stderr, done.stderr[done.stderr.index(divergence) - 200 :][:3000]
     return json.loads(out.read_text())
@@ -97,7 +104,7 @@ def on_cpu(out: Path, model: Path, output_dir: Path, *script_args: str, script: 
         str(out),
         *script_args,
     ]
-    return _run(command, _env(USE_TORCH_XLA="0", ACCELERATE_USE_CPU="1"), out)
+    return _run(command, _env(USE_TORCH_XLA="0", ACCELERATE_USE_CPU="1"), out, reference=True)
 
 
 def by_step(record: Dict, key: str) -> Dict[int, float]:

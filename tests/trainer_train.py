@@ -71,6 +71,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) on q_proj and v_proj")
     p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
+    p.add_argument("--train-rows", type=int, default=64)
+    p.add_argument("--eval-rows", type=int, default=16)
+    p.add_argument("--data-seed", type=int, default=None, help="TrainingArguments(data_seed=...)")
+    p.add_argument("--drop-last", action="store_true", help="TrainingArguments(dataloader_drop_last=True)")
+    p.add_argument("--extra-column", action="store_true", help="rows carry a column the model does not take")
     p.add_argument("--fsdp-config", default=None, help="TrainingArguments(fsdp=True, fsdp_config=this JSON)")
     return p.parse_args()
 
@@ -99,13 +104,18 @@ def main() -> None:
         disable_tqdm=True,
         activation_checkpointing=cli.activation_checkpointing,
         bf16=cli.bf16,
+        data_seed=cli.data_seed,
+        dataloader_drop_last=cli.drop_last,
         fsdp=bool(cli.fsdp_config),
         fsdp_config=json.loads(cli.fsdp_config) if cli.fsdp_config else None,
     )
     model = AutoModelForCausalLM.from_pretrained(cli.model)
     if cli.lora:
         model = with_lora(model)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(64, 1), eval_dataset=dataset(16, 2))
+    train, evaluation = dataset(cli.train_rows, 1), dataset(cli.eval_rows, 2)
+    if cli.extra_column:  # remove_unused_columns (on by default) drops it before the collator
+        train = train.add_column("note", ["x"] * len(train))
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation)
     resume = True if cli.resume == "last" else cli.resume
     trainer.train(resume_from_checkpoint=resume)
     final = trainer.evaluate()
