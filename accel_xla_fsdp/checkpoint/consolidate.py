@@ -588,7 +588,7 @@ def _to_verify(ckpt: Any, buffers: bool, optimizer: bool) -> List[Tuple[int, Lis
 
 class Verifier:
     """Checks tensor bytes against their checksums in a thread of its own while the main thread
-    writes (zlib's CRC-32 and file reads release the GIL, so it takes another core), reading
+    writes (file reads release the GIL, so it takes another core when there is one), reading
     the files through one reused buffer (no memory map: its pages would count as resident).
     The output is committed only after it is done and found nothing."""
 

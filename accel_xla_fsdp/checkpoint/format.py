@@ -22,7 +22,7 @@ its name under the wrapped root, e.g. ``model.layers.0._fsdp_wrapped_module.flat
 layout, others such as Adam's ``step`` are copied whole) and ``buffer/<name>``. Its safetensors
 metadata key ``accel_xla_fsdp`` holds JSON (``RankMeta``): the save id and the save's run token
 (random, drawn by rank 0 and shared with every rank, so files of two runs never pass for one save
-even when both are ``save-000000``), rank, world size, a CRC-32 of every tensor's bytes, and for
+even when both are ``save-000000``), rank, world size, a checksum (XXH3-64) of every tensor's bytes, and for
 every group the parameters it holds, each with its full name, shape and offset. Nothing is
 pickled, and reading needs only ``safetensors`` and ``json``.
 
@@ -49,12 +49,12 @@ import json
 import os
 import re
 import struct
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 FORMAT = "accel-xla-fsdp/2"
@@ -65,7 +65,7 @@ META_KEY = "accel_xla_fsdp"
 MODEL, OPTIM, BUFFER = "model", "optim", "buffer"
 SAVE_NAME = re.compile(r"save-(\d{6,12})")
 TOKEN = re.compile(r"[0-9a-f]{32}")
-CHECKSUM = re.compile(r"crc32:([0-9a-f]{8})")
+CHECKSUM = re.compile(r"xxh3_64:[0-9a-f]{16}")
 MAX_RECORD_BYTES = 64 * 2**20
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_NAME_CHARS = 4096
@@ -252,7 +252,7 @@ class RankMeta:
         None  # {"type", "param_groups": [{hyperparams, "groups": [keys]}], "scalars"}
     )
     token: Optional[str] = None  # the save's run token (32 hex digits); None in format 1
-    checksums: Optional[Dict[str, str]] = None  # tensor name -> "crc32:<8 hex digits>"; None in format 1
+    checksums: Optional[Dict[str, str]] = None  # tensor name -> "xxh3_64:<16 hex digits>"; None in format 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -307,7 +307,7 @@ class RankMeta:
                 check_name(name, f"{at}, field 'checksums'")
                 if not isinstance(value, str) or not CHECKSUM.fullmatch(value):
                     raise CheckpointError(
-                        f"{at}, checksum of {name!r}: expected 'crc32:<8 hex digits>', found {_short(value)}"
+                        f"{at}, checksum of {name!r}: expected 'xxh3_64:<16 hex digits>', found {_short(value)}"
                     )
         return cls(raw["format"], save_id, rank, world, tuple(groups), dict(buffers), optimizer, token, checksums)
 
@@ -557,41 +557,48 @@ def read_header(path: Path) -> FileHeader:
 # Checksums
 
 
-def checksum(data: Any, crc: int = 0) -> int:
-    """CRC-32 of ``data`` (bytes or any buffer), continuing from ``crc``. zlib releases the GIL."""
-    return zlib.crc32(data, crc)
+# Every checksum names its algorithm ("xxh3_64:<16 hex digits>"), so that another can be added
+# without a new format. XXH3-64 (the ``xxhash`` package) hashes at ~30-60 GB/s on this 2-core
+# machine against zlib's CRC-32 at ~5 GB/s: a consolidation checks the 1.2 GB of a 300 M-parameter
+# model beside its writing, and with CRC-32 that cost 1.4-1.9x its time whenever no core was free.
+ALGORITHMS: Dict[str, Callable[[], Any]] = {"xxh3_64": xxhash.xxh3_64}
+SAVED_WITH = "xxh3_64"
 
 
-def format_checksum(crc: int) -> str:
-    return f"crc32:{crc:08x}"
+def algorithm_of(value: str) -> str:
+    return value.split(":", 1)[0]
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
     """The checksum of a CPU tensor's bytes as safetensors writes them (contiguous, row-major)."""
     flat = tensor.detach().contiguous().reshape(-1)
-    return format_checksum(checksum(flat.view(torch.uint8).numpy()) if flat.numel() else 0)
+    digest = ALGORITHMS[SAVED_WITH]()
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy())
+    return f"{SAVED_WITH}:{digest.hexdigest()}"
 
 
 def file_checksum(
     path: Path,
     start: int,
     length: int,
+    algorithm: str = SAVED_WITH,
     buffer: Optional[bytearray] = None,
     cancelled: Callable[[], bool] = lambda: False,
-) -> int:
-    """CRC-32 of ``length`` bytes of ``path`` from ``start``, read into one reused buffer."""
+) -> str:
+    """The checksum of ``length`` bytes of ``path`` from ``start``, read into one reused buffer."""
     buffer = buffer if buffer is not None else bytearray(min(VERIFY_CHUNK, max(length, 1)))
     view = memoryview(buffer)
-    crc = 0
+    digest = ALGORITHMS[algorithm]()
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         while length > 0 and not cancelled():
             n = f.readinto(view[: min(len(view), length)])
             if not n:
                 raise CheckpointError(f"{path}: ends {length} bytes before its last tensor does (truncated)")
-            crc = checksum(view[:n], crc)
+            digest.update(view[:n])
             length -= n
-    return crc
+    return f"{algorithm}:{digest.hexdigest()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -784,13 +791,16 @@ class ShardedCheckpoint:
         read = 0
         for name in header.tensors if names is None else names:
             t = header.tensors[name]
-            crc = file_checksum(path, header.data_start + t.begin, t.end - t.begin, buffer, cancelled)
+            saved = meta.checksums[name]
+            found = file_checksum(
+                path, header.data_start + t.begin, t.end - t.begin, algorithm_of(saved), buffer, cancelled
+            )
             if cancelled():
                 return read
-            if format_checksum(crc) != meta.checksums[name]:
+            if found != saved:
                 raise CheckpointError(
                     f"{path}: the bytes of tensor {name!r} do not match the checksum in its metadata "
-                    f"({format_checksum(crc)}, saved {meta.checksums[name]}): the file is corrupt"
+                    f"({found}, saved {saved}): the file is corrupt"
                 )
             read += t.end - t.begin
         return read
