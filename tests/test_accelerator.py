@@ -330,6 +330,8 @@ def test_checkpoint_folders_commit_and_rotate(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_11.partial", "checkpoint_2"]
     (root / "checkpoint_11.partial" / "new").write_text("new")
     (root / "checkpoint_2" / "old").write_text("old")
+    (root / "checkpoint_2" / checkpoints.MANIFEST).write_text('{"written": ["old"]}')  # saved before
+    (root / "checkpoint_2" / "notes").write_text("the user's")
     checkpoints.commit_folder(root / "checkpoint_11.partial", root / "checkpoint_2")  # replaces a folder saved before
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_2"]
-    assert [p.name for p in (root / "checkpoint_2").iterdir()] == ["new"]
+    assert sorted(p.name for p in (root / "checkpoint_2").iterdir()) == [checkpoints.MANIFEST, "new", "notes"]

@@ -288,6 +288,9 @@ class Accelerator(accelerate.Accelerator):
         config = self.project_configuration
         if input_dir is not None:
             folder = Path(input_dir).expanduser()
+            if self.is_main_process:
+                checkpoints.recover(checkpoints.real_folder(folder))  # a save into it killed midway
+            self.wait_for_everyone()
             if not folder.is_dir():
                 raise ValueError(f"load_state: {folder} is not a folder")
         elif config.automatic_checkpoint_naming:
