@@ -298,6 +298,24 @@ def test_gradient_checkpointing_is_taken_over_and_save_model_loads(pools, tmp_pa
         assert torch.equal(value, results[0][True][1][name]), name
 
 
+def save_plain_model(rank: int, world: int, folder: str) -> Dict[str, torch.Tensor]:
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    acc.save_model(model, folder)
+    return acc.get_state_dict(model)
+
+
+def test_save_model_of_a_model_without_save_pretrained_creates_its_folder(pools, tmp_path: Path) -> None:
+    """huggingface_hub's writer does not create the folder (FileNotFoundError on the main replica,
+    the others left waiting); Accelerate's save_model does, and so does ours."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "new" / "model"
+    state = pools[2].run(save_plain_model, 2, str(folder))[0]
+    saved = load_file(folder / "model.safetensors")
+    assert sorted(saved) == sorted(state) and all(torch.equal(saved[k], state[k]) for k in state)
+
+
 def different_initial_models(rank: int, world: int) -> Dict[str, torch.Tensor]:
     acc = Accelerator()
     with seeded(rank):  # each replica its own random weights
@@ -330,6 +348,8 @@ def test_checkpoint_folders_commit_and_rotate(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_11.partial", "checkpoint_2"]
     (root / "checkpoint_11.partial" / "new").write_text("new")
     (root / "checkpoint_2" / "old").write_text("old")
+    (root / "checkpoint_2" / checkpoints.MANIFEST).write_text('{"written": ["old"]}')  # saved before
+    (root / "checkpoint_2" / "notes").write_text("the user's")
     checkpoints.commit_folder(root / "checkpoint_11.partial", root / "checkpoint_2")  # replaces a folder saved before
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_2"]
-    assert [p.name for p in (root / "checkpoint_2").iterdir()] == ["new"]
+    assert sorted(p.name for p in (root / "checkpoint_2").iterdir()) == [checkpoints.MANIFEST, "new", "notes"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 import torch
@@ -283,6 +284,104 @@ def test_accelerate_load_state_refuses_a_rank_file_of_another_run(pools, tmp_pat
         assert f"{wrong}: belongs to another run" in message and "files of different runs are mixed" in message
 
 
+def accelerate_round(rank: int, world: int, folder: str, seed: int, kill: str = "") -> Dict[str, torch.Tensor]:
+    """save_state of a model drawn from ``seed`` (dying with SIGKILL at ``kill``); its state."""
+    from accel_xla_fsdp import Accelerator
+    from accel_xla_fsdp.integration import checkpoints
+
+    acc = Accelerator()
+    torch.manual_seed(seed)
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if kill == "between the renames":  # the old folder moved aside, the new one not in place
+        checkpoints.os.replace = lambda a, b: (os.rename(a, b), Path(a).name == "state" and die())
+    elif kill == "before the user's entries are moved back":
+        checkpoints.carry_over = die
+    acc.save_state(folder)
+    return acc.get_state_dict(model)
+
+
+def accelerate_loaded(rank: int, world: int, folder: str) -> Any:
+    from accel_xla_fsdp import Accelerator
+
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    try:
+        acc.load_state(folder)
+    except (CheckpointError, ValueError) as e:
+        return str(e)
+    return acc.get_state_dict(model)
+
+
+def users_things(folder: Path) -> None:
+    """What a user keeps in and beside a folder given to save_state (a backup named like ours)."""
+    (folder / "logs").mkdir(parents=True)
+    (folder / "logs" / "events").write_text("the user's")
+    (folder / "README.md").write_text("the user's")
+    for name in ("state.old", "state.partial"):
+        (folder.parent / name).mkdir(exist_ok=True)
+        (folder.parent / name / "backup").write_text("the user's")
+
+
+def assert_users_things_kept(folder: Path, leftovers: Sequence[str] = ()) -> None:
+    """The user's things are where they were; beside ``folder``, of ours, only ``leftovers``."""
+    assert (folder / "logs" / "events").read_text() == (folder / "README.md").read_text() == "the user's"
+    for name in ("state.old", "state.partial"):
+        assert (folder.parent / name / "backup").read_text() == "the user's"
+    assert sorted(p.name for p in folder.parent.iterdir() if "accel-xla-fsdp" in p.name) == list(leftovers)
+
+
+def test_save_state_replaces_only_what_it_wrote(pools, tmp_path) -> None:
+    """save_state replaces its folder whole (a rename): the user's files in it are moved into the
+    new one, and folders beside it named like an older version's staging are not touched."""
+    folder = tmp_path / "state"
+    users_things(folder)
+    pools[2].run(accelerate_round, 2, str(folder), 1)
+    second = pools[2].run(accelerate_round, 2, str(folder), 2)[0]
+    assert_is_state(pools[2].run(accelerate_loaded, 2, str(folder))[0], second)
+    assert_users_things_kept(folder)
+
+
+def test_save_state_through_a_symlink_to_another_filesystem_and_into_a_mount_point(pools, tmp_path, shm_dir) -> None:
+    link = tmp_path / "state"
+    link.symlink_to(shm_dir / "state", target_is_directory=True)
+    pools[2].run(accelerate_round, 2, str(link), 1)
+    second = pools[2].run(accelerate_round, 2, str(link), 2)[0]
+    assert link.is_symlink() and (shm_dir / "state" / "xla_fsdp_0" / "checkpoint.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"] and sorted(os.listdir(shm_dir)) == ["state"]
+    assert_is_state(pools[2].run(accelerate_loaded, 2, str(link))[0], second)
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with pytest.raises(CheckpointError, match=f"save_state: {mount} is a mount point") as e:
+            pools[2].run(accelerate_round, 2, str(mount), 1)
+        assert "nothing was written" in str(e.value) and f"{mount / 'state'}" in str(e.value)
+        assert os.listdir(mount) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["state", "volume"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("point", ["between the renames", "before the user's entries are moved back"])
+def test_a_killed_save_state_leaves_a_loadable_state_and_the_users_files(pools, tmp_path, point: str) -> None:
+    folder = tmp_path / "state"
+    users_things(folder)
+    first = pools[2].run(accelerate_round, 2, str(folder), 1)[0]
+    with pytest.raises(ReplicaError, match="SIGKILL"):
+        pools[2].run(accelerate_round, 2, str(folder), 2, point)
+    loaded = pools[2].run(accelerate_loaded, 2, str(folder))[0]  # finishes the commit, or puts the old one back
+    if point == "between the renames":
+        assert_is_state(loaded, first)
+    else:
+        assert isinstance(loaded, dict) and not all(torch.equal(loaded[k], first[k]) for k in first)
+    # The killed save's staging folder (complete or not) is removed by the next save.
+    assert_users_things_kept(folder, [".state.accel-xla-fsdp-saving"] if point == "between the renames" else [])
+    third = pools[2].run(accelerate_round, 2, str(folder), 3)[0]
+    assert_is_state(pools[2].run(accelerate_loaded, 2, str(folder))[0], third)
+    assert_users_things_kept(folder)
+
+
 # ---------------------------------------------------------------------------------------------
 # Malformed metadata and records: a refusal naming the file and the field, nothing written
 
@@ -443,6 +542,23 @@ def test_malformed_torch_xla_files_are_refused(tmp_path, capsys, case: str) -> N
     assert not (tmp_path / "out").exists()
 
 
+def test_deeply_nested_torch_xla_metadata_is_refused_as_such(tmp_path, capsys) -> None:
+    """Unpickling nests without limit; comparing the ranks' metadata recursed into a RecursionError,
+    reported as files of different checkpoints mixed."""
+    nested: List[Any] = []
+    for _ in range(5000):
+        nested = [nested]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)  # for torch.save to write it
+    try:
+        torch_xla_files(tmp_path / "in", lambda r, c: _meta(r, c).__setitem__("extra", nested))
+    finally:
+        sys.setrecursionlimit(limit)
+    err = run_cli(capsys, "convert-torch-xla", str(tmp_path / "in"), str(tmp_path / "out"))
+    assert "final_ckpt_rank-00000001-of-00000002.pth: its shard_metadata is nested too deeply" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_huge_world_size_in_a_file_name_is_refused_at_once(tmp_path, capsys) -> None:
     (tmp_path / "x_rank-0-of-99999999999.pth").write_bytes(b"")
     start = time.perf_counter()
@@ -514,7 +630,9 @@ def small_tmpfs(tmp_path) -> Any:
 def test_a_disk_without_room_is_refused_before_writing(runs, small_tmpfs, capsys) -> None:
     (small_tmpfs / "filler").write_bytes(b"\0" * 200 * 1024)
     err = run_cli(capsys, "consolidate", str(runs["one"]), str(small_tmpfs / "out"))
-    assert f"{small_tmpfs}: 0.00 GB free, the model takes" in err
+    assert re.search(
+        rf"{small_tmpfs}: \d+\.\d\d kB free, the model takes \d+\.\d\d kB \(and 1.05 MB is kept spare\)", err
+    )
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
 
 
@@ -531,7 +649,8 @@ def test_a_save_without_room_is_refused_on_every_rank_before_writing(pools, smal
     (small_tmpfs / "filler").write_bytes(b"\0" * 200 * 1024)
     ckpt = small_tmpfs / "ckpt"
     for rank, message in enumerate(pools[2].run(save_refused, 2, str(ckpt))):
-        assert f"{small_tmpfs}: 0.00 GB free, rank {rank}'s file takes" in message
+        says = rf"{small_tmpfs}: \d+\.\d\d kB free, rank {rank}'s file takes \d+ bytes \(and 1.05 MB is kept spare\)"
+        assert re.search(says, message), message
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
 
 

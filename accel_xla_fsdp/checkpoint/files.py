@@ -59,11 +59,25 @@ def check_writable(directory: Path, what: str = "the output") -> None:
         )
 
 
+SPARE_BYTES = 2**20  # left free beyond the files: what the filesystem's own bookkeeping takes
+
+
 def check_free_space(directory: Path, nbytes: int, what: str = "the output") -> None:
     existing = nearest_existing(Path(directory))
     free = shutil.disk_usage(existing).free
-    if free < nbytes + 2**20:
-        raise CheckpointError(f"{existing}: {free / 1e9:.2f} GB free, {what} takes {nbytes / 1e9:.2f} GB")
+    if free < nbytes + SPARE_BYTES:
+        raise CheckpointError(
+            f"{existing}: {readable_size(free)} free, {what} takes {readable_size(nbytes)} "
+            f"(and {readable_size(SPARE_BYTES)} is kept spare)"
+        )
+
+
+def readable_size(nbytes: int) -> str:
+    """``nbytes`` in the largest unit it is at least one of (a small model's 0.00 GB said nothing)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def temporary_name(path: Path) -> Path:

@@ -165,6 +165,8 @@ class TorchXlaCheckpoint:
         for path, meta in zip(self.files[1:], metas[1:]):
             try:
                 same = {k: v for k, v in meta.items() if k != "rank"} == first
+            except RecursionError:  # unpickling nests without limit; comparing recurses
+                raise CheckpointError(f"{path}: its shard_metadata is nested too deeply to be torch_xla's") from None
             except Exception:  # noqa: BLE001 - values that do not compare (tensors)
                 same = False
             if not same:

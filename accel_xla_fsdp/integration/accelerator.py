@@ -238,8 +238,13 @@ class Accelerator(accelerate.Accelerator):
         model, which ``from_pretrained`` then loads). Call on every replica; the main one writes."""
         if not isinstance(model, XlaFullyShardedDataParallel):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        if os.path.isfile(save_directory):  # as Accelerate's: said, and nothing saved (on every replica alike)
+            logger.error(f"Provided path ({save_directory}) should be a directory, not a file")
+            return
         _xla.agree("save_model")
         state = model.model_state_dict()
+        # As Accelerate's does (huggingface_hub's writer, for a model without save_pretrained, does not).
+        os.makedirs(save_directory, exist_ok=True)
         if self.is_main_process:
             inner = model.module
             if hasattr(inner, "save_pretrained"):
@@ -288,6 +293,9 @@ class Accelerator(accelerate.Accelerator):
         config = self.project_configuration
         if input_dir is not None:
             folder = Path(input_dir).expanduser()
+            if self.is_main_process:
+                checkpoints.recover(checkpoints.real_folder(folder))  # a save into it killed midway
+            self.wait_for_everyone()
             if not folder.is_dir():
                 raise ValueError(f"load_state: {folder} is not a folder")
         elif config.automatic_checkpoint_naming:

@@ -10,13 +10,22 @@ automatic naming) holds, here:
 - with ``fsdp_state_dict_type: FULL_STATE_DICT``, also ``model/`` (``model_<i>/``): the
   consolidated model in the Hugging Face layout, which ``from_pretrained`` loads.
 
-The folder is written as ``<name>.partial`` and renamed into place once every rank's files are
-complete, so a save that fails leaves every earlier checkpoint as it was; rotation
-(``total_limit``) removes the oldest only after that.
+[Note: replacing a save_state folder]
+The folder is written as ``.<name>.accel-xla-fsdp-saving`` beside it and renamed into place once
+every rank's files are complete, so a save that fails leaves every earlier checkpoint as it was;
+rotation (``total_limit``) removes the oldest only after that. A folder that already exists is
+renamed to ``.<name>.accel-xla-fsdp-replaced`` first, then what save_state did not write in it
+(the user's files: the folder lists its own entries in ``.accel_xla_fsdp_state.json``) is moved
+into the new one, and only then is it removed. A save killed between those renames is finished
+(or the old folder put back) by the next ``save_state`` or ``load_state`` of that folder. A
+symbolic link is followed, so that the folder is staged beside the one it points to, on its
+filesystem (a rename cannot cross filesystems); a folder that is a mount point cannot be renamed
+at all, and is refused before anything is written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -40,6 +49,9 @@ from ..checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_s
 from ..fsdp import XlaFullyShardedDataParallel
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
+STAGED = ".{}.accel-xla-fsdp-saving"  # beside the folder: names no user picks, the same on every rank
+REPLACED = ".{}.accel-xla-fsdp-replaced"
+MANIFEST = ".accel_xla_fsdp_state.json"  # in the folder: the entries save_state wrote
 # Accelerate's ``load`` adds torch's safe globals for ``torch.load`` and clears them afterwards:
 # a process-wide list. XLA:CPU replica threads loading at once clear each other's, a replica's
 # random states then fail to unpickle, and Accelerate logs that at info level and goes on with
@@ -83,11 +95,16 @@ def checkpoint_number(folder: Path) -> Optional[int]:
 
 
 def save(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], full_state_dict: bool) -> None:
-    """Write the checkpoint into ``folder`` (replacing it if it exists) on every replica."""
-    partial = folder.with_name(folder.name + ".partial")
+    """Write the checkpoint into ``folder`` (replacing it if it exists) on every replica
+    ([Note: replacing a save_state folder])."""
+    target = real_folder(folder)
+    check_replaceable(folder, target)  # every rank, before anything is written: all refuse alike
+    partial = sibling(target, STAGED)
     main = accelerator.is_main_process
-    if main and partial.exists():
-        shutil.rmtree(partial)  # what a failed save left
+    if main:
+        recover(target)
+        if partial.is_dir() and not partial.is_symlink():
+            shutil.rmtree(partial)  # what a failed save left
     accelerator.wait_for_everyone()
     partial.mkdir(parents=True, exist_ok=True)
     _xla.sync()  # finish the step before reading its state
@@ -115,20 +132,79 @@ def save(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], full_st
             consolidate(sharded_dir(partial, index), consolidated_dir(partial, index), config=config, progress=False)
     accelerator.wait_for_everyone()
     if main:
-        commit_folder(partial, folder)
+        commit_folder(partial, target)
     accelerator.wait_for_everyone()
 
 
+def real_folder(folder: Path) -> Path:
+    """The folder a save replaces: through symbolic links, the one they point to (staged beside
+    it, on its filesystem; the links then point at the new folder)."""
+    return Path(os.path.realpath(folder))
+
+
+def sibling(target: Path, pattern: str) -> Path:
+    return target.with_name(pattern.format(target.name))
+
+
+def check_replaceable(folder: Path, target: Path) -> None:
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"save_state: {folder} exists and is not a folder")
+    if target.is_dir() and os.path.ismount(target):
+        raise CheckpointError(
+            f"save_state: {folder} is a mount point: a save replaces its folder whole by a rename, which a mount "
+            f"point cannot take (nothing was written). Save into a folder inside it, e.g. {folder / 'state'}"
+        )
+
+
 def commit_folder(partial: Path, folder: Path) -> None:
-    """``partial`` becomes ``folder``; an older ``folder`` is removed only after the rename."""
-    old = folder.with_name(folder.name + ".old")
+    """``partial`` becomes ``folder``; an older ``folder`` is removed only after the rename, once
+    what save_state did not write in it has been moved into the new one."""
+    (partial / MANIFEST).write_text(json.dumps({"written": sorted(os.listdir(partial))}))
+    old = sibling(folder, REPLACED)
+    recover(folder)  # an earlier commit's, killed: its user entries are moved before ``old`` is reused
     if folder.exists():
-        if old.exists():
-            shutil.rmtree(old)
         os.replace(folder, old)
     os.replace(partial, folder)
-    if old.exists():
-        shutil.rmtree(old)
+    carry_over(old, folder)
+
+
+def recover(folder: Path) -> None:
+    """Finish a commit that was killed: put the old folder back if the new one is not in place,
+    else move the user's entries out of the old one and remove it. Main process; never raises
+    (a folder it cannot repair is reported by the save or load that follows)."""
+    old = sibling(folder, REPLACED)
+    if not old.is_dir() or old.is_symlink():
+        return
+    try:
+        if not folder.exists() and not folder.is_symlink():
+            os.replace(old, folder)
+        else:
+            carry_over(old, folder)
+    except OSError:
+        pass
+
+
+def carry_over(old: Path, folder: Path) -> None:
+    """Move the entries of ``old`` that save_state did not write into ``folder`` (where the new
+    save has none of that name), then remove ``old``. Every step can be done again."""
+    if not old.is_dir() or old.is_symlink():
+        return
+    for name in foreign_entries(old):
+        if not (folder / name).exists() and not (folder / name).is_symlink():
+            os.replace(old / name, folder / name)
+    shutil.rmtree(old)
+
+
+def foreign_entries(folder: Path) -> List[str]:
+    """The entries of ``folder`` that save_state did not write: those its manifest does not list.
+    A folder without one is a save_state folder of an earlier version (every entry ours) if it
+    holds a sharded checkpoint, else the user's (every entry theirs)."""
+    names = sorted(os.listdir(folder))
+    try:
+        written = set(json.loads((folder / MANIFEST).read_text())["written"])
+    except (OSError, ValueError, KeyError, TypeError):
+        written = set(names) if (sharded_dir(folder, 0) / "checkpoint.json").is_file() else set()
+    return [n for n in names if n not in written and n != MANIFEST]
 
 
 def rotate(root: Path, total_limit: Optional[int]) -> None:
