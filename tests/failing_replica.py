@@ -22,6 +22,7 @@ import torch
 import torch_xla
 import torch_xla.distributed.xla_multiprocessing as xmp
 import torch_xla.runtime as xr
+from models import LAUNCH_LLAMA
 from torch_xla._internal import pjrt
 from transformers import LlamaConfig, LlamaForCausalLM  # model classes before the replicas start
 
@@ -29,17 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # model classes before t
 from accel_xla_fsdp import Accelerator, XlaFullyShardedDataParallel, _xla, seeded, transformer_block_policy
 
 FAILING_RANK = 1
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    use_cache=False,
-    attn_implementation="eager",
-)
+CONFIG = dict(LAUNCH_LLAMA, use_cache=False)
 
 
 class ReplicaFailure(RuntimeError):

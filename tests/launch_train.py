@@ -18,6 +18,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
+from models import LAUNCH_LLAMA
 from torch_xla._internal import pjrt
 from transformers import LlamaConfig, LlamaForCausalLM  # model classes before the replicas start
 
@@ -25,17 +26,7 @@ from accel_xla_fsdp import XlaFullyShardedDataParallel, _xla, seeded, transforme
 
 STEPS = 3
 GLOBAL_BATCH = 4
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    use_cache=False,
-    attn_implementation="eager",
-)
+CONFIG = dict(LAUNCH_LLAMA, use_cache=False)
 
 
 def compile_count() -> int:

@@ -20,6 +20,17 @@ from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, checkpoint_module, seeded, transformer_block_policy
 
 LOCAL_BATCH = 2
+# The tiny Llama of the launched scripts and the launch tests.
+LAUNCH_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    attn_implementation="eager",
+)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Dict, Iterator, Tuple
 import pytest
 import torch
 from accelerate.utils import set_seed
+from models import LAUNCH_LLAMA
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -28,17 +29,7 @@ from accel_xla_fsdp import seeded
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    attn_implementation="eager",
-    tie_word_embeddings=True,
-)
+CONFIG = dict(LAUNCH_LLAMA, tie_word_embeddings=True)
 
 
 def launch(folder: Path, out: Path, *launch_args: str, late_import: bool = False) -> subprocess.CompletedProcess:

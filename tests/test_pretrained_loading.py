@@ -14,22 +14,13 @@ from typing import Any, Dict, Iterator
 
 import pytest
 import torch
+from models import LAUNCH_LLAMA
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from accel_xla_fsdp import Accelerator, DevicePool, seeded
 
 WORLD = 2
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    attn_implementation="eager",
-    pad_token_id=0,
-)
+CONFIG = dict(LAUNCH_LLAMA, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
