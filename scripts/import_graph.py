@@ -43,7 +43,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("integration.tqdm_lock", "integration.replica_threads", "integration.script_logging"),
     ("integration.replica_seeds",),
     ("integration.plugin",),
-    ("integration.trainer_args",),
+    ("integration.trainer_args", "integration.trainer_resume"),
     ("integration.launch", "integration.optimizer"),
     ("integration.pretrained_loading", "integration.checkpoints", "integration.unwrapped_generate"),
     ("integration.accelerator",),

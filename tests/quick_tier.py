@@ -120,6 +120,7 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ("test_replica_datasets.py::test_replica_threads_take_turns_through_tqdm_lock", "integration/tqdm_lock.py"),
     ("test_trainer.py::test_fsdp_config_keys_mean_what_the_trainer_documents", "integration/trainer_args.py"),
     ("test_trainer.py::test_what_xla_fsdp_does_not_take_is_refused_by_name", "trainer_args errors"),
+    ("test_trainer_resume.py", "integration/trainer_resume.py: resume skips an incomplete checkpoint-N, on disk"),
     ("test_docs.py", "the settings table and the docs' links"),
     ("test_quick_tier.py", "this selection"),
 )

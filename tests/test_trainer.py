@@ -6,7 +6,8 @@ launch --config_file plugins/xla_fsdp_cpu.yaml`` (4 XLA:CPU replicas) and, as th
 batch, evaluation every 3 steps, gradient accumulation, clipping, a warmup schedule, checkpoints
 every 3 steps with ``save_total_limit=2``. The logged losses, gradient norms, learning rates and
 evaluation losses must agree to round-off; the saved model must load with ``from_pretrained``; a
-run resumed from ``checkpoint-6`` must repeat the unbroken run bit for bit on 4 replicas and to
+run resumed from ``checkpoint-6`` (by ``resume_from_checkpoint=True``, past a ``checkpoint-8`` left
+incomplete) must repeat the unbroken run bit for bit on 4 replicas and to
 round-off on 2 (with its settings from ``TrainingArguments(fsdp_config=...)``, one shard per
 parameter, resharding the flat checkpoint, and ``activation_checkpointing``).
 """
@@ -168,12 +169,21 @@ def test_save_model_writes_what_from_pretrained_loads(runs) -> None:
 
 
 def test_resume_on_the_same_replicas_is_bit_exact(runs, tmp_path) -> None:
-    shutil.copytree(runs["tmp"] / "xla_out", tmp_path / "out")
-    checkpoint = tmp_path / "out" / "checkpoint-6"
-    resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", tmp_path / "out", "--resume", str(checkpoint))
+    # checkpoint-8 as a save killed midway leaves it (no trainer_state.json, no committed sharded
+    # model): resume_from_checkpoint=True skips it, names it, and resumes from checkpoint-6.
+    out = tmp_path / "out"
+    shutil.copytree(runs["tmp"] / "xla_out", out)
+    shutil.rmtree(out / "checkpoint-8")
+    shutil.copytree(out / "checkpoint-6", out / "checkpoint-8")
+    (out / "checkpoint-8" / "trainer_state.json").unlink()
+    (out / "checkpoint-8" / "xla_fsdp_0" / "checkpoint.json").unlink()
+    resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", out, "--resume", "last")
     for key in ("loss", "grad_norm", "eval_loss"):
         assert by_step(resumed, key) == by_step(runs["xla"], key), key
     assert resumed["final"] == {**resumed["final"], "eval_loss": runs["xla"]["final"]["eval_loss"]}
+    stderr = (tmp_path / "run.stderr").read_text()
+    assert stderr.count(f"Not resuming from {out / 'checkpoint-8'}: ") == 1, "one warning, by the main process"
+    assert "Resuming from checkpoint-6 instead" in stderr
 
 
 def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path) -> None:

@@ -32,6 +32,11 @@ _WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_fpw_module.")
 _SHARD_SIZE_MULTIPLE = 128
 
 
+def holds_rank_files(directory: Path) -> bool:
+    """Whether ``directory`` holds a file named as torch_xla's rank files are (names only)."""
+    return directory.is_dir() and any(p.match(f.name) for f in directory.iterdir() for p in _PATTERNS)
+
+
 def find_rank_files(path: Path) -> List[Path]:
     """The rank files at ``path`` (a directory holding them, or one of them), in rank order.
     The world size in a name is only believed up to the number of files present."""

@@ -36,6 +36,7 @@ import accelerate
 import torch
 import transformers
 import transformers.trainer
+from accelerate.logging import get_logger
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import _xla
@@ -43,8 +44,9 @@ from ..checkpoint import CheckpointError, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 from .accelerator import Accelerator, XlaDataLoader
 from .trainer_args import check_precision, plugin_from_training_args
+from .trainer_resume import SHARDED_DIR, incomplete_reason, newest_complete
 
-SHARDED_DIR = "xla_fsdp_0"
+logger = get_logger(__name__)
 _building = threading.local()  # the plugin of the Trainer building its Accelerator in this thread
 # The Trainer reads its random states under torch's safe globals, a process-wide list that it sets
 # and clears: XLA:CPU replica threads loading at once cleared each other's, and a replica failed
@@ -165,14 +167,25 @@ class _OnXlaFsdp:
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``resume_from_checkpoint=True`` takes the newest complete ``checkpoint-N`` (trainer_resume.py)
+        where the Trainer would take the highest N, complete or not; each newer one skipped is
+        named in a warning. A path is resumed from as given (``_load_from_checkpoint`` checks it)."""
+        if resume_from_checkpoint is True:
+            folder, skipped = newest_complete(self.args.output_dir)
+            for incomplete, reason in skipped:
+                logger.warning(f"Not resuming from {incomplete}: {reason}. Resuming from {folder.name} instead.")
+            resume_from_checkpoint = str(folder)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Called before ``prepare()`` (the model is not sharded yet): loading waits for
-        ``_load_optimizer_and_scheduler``, which the Trainer calls after it."""
-        if not (Path(resume_from_checkpoint) / SHARDED_DIR).is_dir():
+        """Only checks the folder: called before ``prepare()`` (the model is not sharded yet),
+        loading waits for ``_load_optimizer_and_scheduler``, which the Trainer calls after it."""
+        reason = incomplete_reason(Path(resume_from_checkpoint))
+        if reason is not None:
             raise CheckpointError(
-                f"{resume_from_checkpoint} holds no {SHARDED_DIR}/: resume from a checkpoint-N folder written by "
-                "accel_xla_fsdp's Trainer (a folder of the Trainer's own XLA FSDP rank files converts with "
-                "`python -m accel_xla_fsdp convert-torch-xla`, then load it with from_pretrained)"
+                f"Cannot resume from {resume_from_checkpoint}: {reason}. Resume from a complete checkpoint-N "
+                "(resume_from_checkpoint=True takes the newest complete one in args.output_dir)"
             )
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
