@@ -15,7 +15,7 @@ import pytest
 from models import build, wrap
 
 from accel_xla_fsdp import CheckpointError, Trainer, save_sharded
-from accel_xla_fsdp.integration.trainer_resume import incomplete_reason, newest_complete
+from accel_xla_fsdp.integration.trainer_resume import incomplete_reason, is_newest, newest_complete
 
 MODEL = "nested_linear"
 
@@ -132,6 +132,20 @@ def refusal(folder: Path) -> str:
     with pytest.raises(CheckpointError) as e:
         Trainer._load_from_checkpoint(None, str(folder))
     return str(e.value)
+
+
+def test_the_highest_checkpoint_by_path_counts_as_the_newest(tmp_path, monkeypatch) -> None:
+    # transformers' example scripts pass get_last_checkpoint(output_dir)'s path: the Trainer then
+    # resolves it as resume_from_checkpoint=True, so a killed last save is skipped for them too.
+    for step in (9, 10):
+        (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+    (tmp_path / "other" / "checkpoint-10").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert is_newest(tmp_path / "out" / "checkpoint-10", tmp_path / "out")
+    assert is_newest("out/checkpoint-10/", "out")  # relative, trailing slash: as scripts write them
+    assert not is_newest(tmp_path / "out" / "checkpoint-9", tmp_path / "out")
+    assert not is_newest(tmp_path / "other" / "checkpoint-10", tmp_path / "out")
+    assert not is_newest(tmp_path / "out" / "checkpoint-10", tmp_path / "missing")
 
 
 def test_an_explicit_incomplete_path_is_refused_with_its_reason(sharded, tmp_path) -> None:

@@ -44,7 +44,7 @@ from ..checkpoint import CheckpointError, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 from .accelerator import Accelerator, XlaDataLoader
 from .trainer_args import check_precision, plugin_from_training_args
-from .trainer_resume import SHARDED_DIR, incomplete_reason, newest_complete
+from .trainer_resume import SHARDED_DIR, incomplete_reason, is_newest, newest_complete
 
 logger = get_logger(__name__)
 _building = threading.local()  # the plugin of the Trainer building its Accelerator in this thread
@@ -170,8 +170,13 @@ class _OnXlaFsdp:
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """``resume_from_checkpoint=True`` takes the newest complete ``checkpoint-N`` (trainer_resume.py)
         where the Trainer would take the highest N, complete or not; each newer one skipped is
-        named in a warning. A path is resumed from as given (``_load_from_checkpoint`` checks it)."""
-        if resume_from_checkpoint is True:
+        named in a warning. So does the path of the highest ``checkpoint-N`` of ``output_dir``,
+        which is what scripts that call ``get_last_checkpoint`` themselves pass (transformers'
+        examples). Any other path is resumed from as given (``_load_from_checkpoint`` checks it)."""
+        last = isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_newest(
+            resume_from_checkpoint, self.args.output_dir
+        )
+        if resume_from_checkpoint is True or last:
             folder, skipped = newest_complete(self.args.output_dir)
             for incomplete, reason in skipped:
                 logger.warning(f"Not resuming from {incomplete}: {reason}. Resuming from {folder.name} instead.")

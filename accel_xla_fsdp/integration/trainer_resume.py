@@ -61,6 +61,14 @@ def numbered_checkpoints(output_dir: Path) -> List[Path]:
     return [p for _, p in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
+def is_newest(path: str | Path, output_dir: str | Path) -> bool:
+    """Whether ``path`` is the highest ``checkpoint-N`` of ``output_dir``: what ``get_last_checkpoint``
+    returns, and what transformers' example scripts find with it and pass on as a path."""
+    output_dir = Path(output_dir)
+    newest = numbered_checkpoints(output_dir)[:1] if output_dir.is_dir() else []
+    return bool(newest) and Path(path).resolve() == newest[0].resolve()
+
+
 def newest_complete(output_dir: str | Path) -> Tuple[Path, List[Tuple[Path, str]]]:
     """The newest complete ``checkpoint-N`` of ``output_dir``, and each newer one skipped with
     why. None complete: a ``CheckpointError`` naming the folder and what each one lacks."""
