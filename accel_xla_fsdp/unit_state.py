@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from enum import Enum, auto
@@ -290,7 +291,7 @@ class RootState:
         self.sync_gradients = True
         for unit in self.units:
             unit.root_state = self
-        _LIVE_ROOTS.add(self)
+        _track_root(self)
 
     def units_under(self, unit: UnitState) -> List[Tuple[str, UnitState]]:
         """``unit`` (named ``""``) and the units inside it, named under it."""
@@ -351,7 +352,23 @@ class RootState:
             _xla.sync()
 
 
-_LIVE_ROOTS: "weakref.WeakSet[RootState]" = weakref.WeakSet()
+# Replica threads wrap models and sync at once. Not a WeakSet: one iterated in a replica's sync
+# while another replica adds its new root raised "Set changed size during iteration" (once in
+# ~110 runs of a reused 4-device pool, at the sync that ends wrapping); here only a lock holder
+# changes the list.
+_LIVE_ROOTS: List["weakref.ref[RootState]"] = []
+_LIVE_ROOTS_LOCK = threading.Lock()
+
+
+def _track_root(state: RootState) -> None:
+    with _LIVE_ROOTS_LOCK:
+        _LIVE_ROOTS[:] = [r for r in _LIVE_ROOTS if r() is not None] + [weakref.ref(state)]
+
+
+def _live_roots() -> List[RootState]:
+    with _LIVE_ROOTS_LOCK:
+        states = [r() for r in _LIVE_ROOTS]
+    return [s for s in states if s is not None]
 
 
 def _free_idle_units() -> None:
@@ -362,7 +379,7 @@ def _free_idle_units() -> None:
     next program would output them. A backward after the cut gathers them again, as always.
     """
     device = _xla.device()
-    for state in list(_LIVE_ROOTS):
+    for state in _live_roots():
         if state.device == device:
             for unit in state.units:
                 if unit.training_state is TrainingState.IDLE and not unit.summoned:

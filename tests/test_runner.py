@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from accel_xla_fsdp import DevicePool, ReplicaError, _xla, run_on_devices, seeded
+from accel_xla_fsdp import DevicePool, ReplicaError, XlaFullyShardedDataParallel, _xla, run_on_devices, seeded
 from accel_xla_fsdp._replica_run import ReplicaGone
 
 # A failing or dying run must end within this long (it ends in about a second when the runner works;
@@ -239,6 +239,33 @@ def test_replica_that_returned_ends_a_meeting_at_once(pools) -> None:
     assert "replica 0 waits at graph boundary 1 (xm.mark_step / torch_xla.sync) for replica(s) [1]" in str(error)
     assert "which have returned" in str(error)
     assert elapsed < PROMPT_S, f"the failure took {elapsed:.1f} s to surface"
+
+
+def still_building_its_model(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def wrap_with_replica_1_late(rank: int) -> None:
+    if rank == 1:
+        still_building_its_model(30.0)
+    XlaFullyShardedDataParallel(nn.Linear(4, 4))  # its init ends in a sync, where replica 0 waits
+
+
+def test_sync_that_times_out_names_the_missing_replica_and_where_it_is() -> None:
+    """The wait seen once at the sync that ends FSDP wrapping: should it happen again, the
+    replica that waited says which one did not come and that one's Python stack."""
+    pool = DevicePool(2, sync_timeout_s=2.0)
+    try:
+        _warm(pool)
+        results, error, elapsed = _run_guarded(pool, wrap_with_replica_1_late)
+    finally:
+        pool.close()
+    assert isinstance(error, ReplicaGone), f"{type(error).__name__}: {error}"
+    assert str(error).startswith(
+        "replica 0 waited 2 s at graph boundary 1 (xm.mark_step / torch_xla.sync) for replica(s) [1]."
+    )
+    assert "replica 1 is at:" in str(error) and "in still_building_its_model" in str(error)
+    assert elapsed < PROMPT_S
 
 
 def test_run_on_devices_one_shot() -> None:
