@@ -180,8 +180,26 @@ class Turns:
     def wait_for(self, rank: int, timeout_s: float, site: Site = ()) -> None:
         where = f"graph boundary {self.meeting.generation + 1} (xm.mark_step / torch_xla.sync)"
         self.meeting.wait(rank, where, timeout_s, site)
-        with _state:  # every replica has come, so every one takes its turn: no timeout needed
-            _state.wait_for(lambda: self.turn == rank)
+        # Every replica has come, so each takes its turn. The one whose turn it is may still never
+        # pass it on (it returned, or its sync hangs inside torch_xla): the others then name it
+        # instead of waiting for ever. The clock restarts whenever the turn moves on.
+        with _state:
+            holder, deadline = self.turn, time.monotonic() + timeout_s
+            while self.turn != rank:
+                if self.turn != holder:
+                    holder, deadline = self.turn, time.monotonic() + timeout_s
+                remaining = deadline - time.monotonic()
+                if holder in _returned or remaining <= 0:
+                    raise ReplicaGone(self._turn_message(rank, holder, where, timeout_s))
+                _state.wait(remaining)
+
+    def _turn_message(self, rank: int, holder: int, where: str, timeout_s: float) -> str:
+        if holder in _returned:
+            head = f"replica {rank} waits for its turn at {where} after replica {holder}, which has returned."
+        else:
+            head = f"replica {rank} waited {timeout_s:.0f} s for its turn at {where}: replica {holder}'s sync there "
+            head += "has not finished."
+        return f"{head}\n{whereabouts([holder])}"
 
     def note_own_program(self, rank: int, seconds: float) -> None:
         """Replica ``rank`` compiled a program in its turn. The replicas share compiled programs,

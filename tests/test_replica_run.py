@@ -96,6 +96,28 @@ def test_meeting_that_times_out_names_the_missing_replica_and_where_it_is() -> N
     assert "replica 1 is at:" in message and "in sleeping_somewhere_recognizable" in message
 
 
+def test_a_turn_that_is_never_passed_on_names_the_replica_holding_it() -> None:
+    # Replica 0 met the others and took its turn, then never finished its sync (here: sleeps,
+    # then returns without passing the turn on): replica 1 names it once its wait times out, and
+    # replica 2 (whose turn comes after 1's) at once when 0 has returned.
+    turns = _replica_run.Turns(3)
+    started = time.monotonic()
+
+    def holds_its_turn(rank: int) -> None:
+        turns.wait_for(rank, 30.0)
+        sleeping_somewhere_recognizable(rank)
+
+    outcome = run_replicas(
+        [holds_its_turn, lambda rank: turns.wait_for(rank, 1.0), lambda rank: turns.wait_for(rank, 30.0)]
+    )
+    assert time.monotonic() - started < 10.0
+    for rank in (1, 2):
+        assert isinstance(outcome[rank], _replica_run.ReplicaGone), outcome[rank]
+    assert str(outcome[1]).startswith("replica 1 waited 1 s for its turn at graph boundary 1")
+    assert "replica 0 is at:" in str(outcome[1]) and "in sleeping_somewhere_recognizable" in str(outcome[1])
+    assert "after replica 0, which has returned" in str(outcome[2])
+
+
 def test_replica_returning_right_after_a_meeting_breaks_nothing() -> None:
     """Replica 0 comes last, completing the meeting, and returns at once: the others leave the
     meeting normally, however late they wake."""
