@@ -16,6 +16,7 @@ import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 from datasets import Dataset
 from safetensors.torch import save_file
+from tiny_llama import TINY_LLAMA
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
 
@@ -29,15 +30,7 @@ ROWS = 128  # 16 global batches: one epoch covers every run
 
 def model_config() -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="eager",
-        use_cache=False,
+        **TINY_LLAMA, vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation="eager", use_cache=False
     )
 
 

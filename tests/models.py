@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_llama import TINY_LLAMA
 from transformers import LlamaConfig, LlamaForCausalLM  # at import time: not thread-safe later
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
@@ -21,16 +22,7 @@ from accel_xla_fsdp import _xla, checkpoint_module, seeded, transformer_block_po
 
 LOCAL_BATCH = 2
 # The tiny Llama of the launched scripts and the launch tests.
-LAUNCH_LLAMA = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    attn_implementation="eager",
-)
+LAUNCH_LLAMA = dict(TINY_LLAMA, vocab_size=64, max_position_embeddings=32, attn_implementation="eager")
 
 
 @dataclass(frozen=True)
@@ -166,12 +158,8 @@ def make_expert(rank: int) -> nn.Linear:
 
 
 LLAMA_CONFIG = dict(
+    TINY_LLAMA,
     vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=64,
     tie_word_embeddings=False,
     use_cache=False,  # training: and a recomputed (checkpointed) forward must not extend a cache

@@ -25,6 +25,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 import torch
 from datasets import Dataset
+from tiny_llama import TINY_LLAMA
 from transformers import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -65,12 +66,8 @@ def save_models(folder: Path) -> None:
     torch.manual_seed(0)
     LlamaForSequenceClassification(
         LlamaConfig(
+            **TINY_LLAMA,
             vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             max_position_embeddings=SEQ,
             num_labels=2,
             pad_token_id=0,

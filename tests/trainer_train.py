@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from tiny_llama import TINY_LLAMA
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 if os.environ.get("USE_TORCH_XLA") == "0":
@@ -29,16 +30,7 @@ VOCAB = 128
 
 def save_model(folder: Path) -> None:
     """The tiny Llama the runs start from (called by the test, before the launches)."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        use_cache=False,
-    )
+    config = LlamaConfig(**TINY_LLAMA, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
 

@@ -7,11 +7,12 @@ place: a rename within one directory never crosses a filesystem, whatever is mou
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, List
 
 from .format import CheckpointError
 
@@ -116,3 +117,12 @@ def remove_tree(path: Path) -> None:
     if path.is_symlink():
         return
     shutil.rmtree(path, ignore_errors=True)
+
+
+def numbered_folders(root: Path, name: re.Pattern) -> List[Path]:
+    """The folders in ``root`` whose whole name ``name`` matches, by the number its first group
+    captures, lowest first (none if ``root`` is not a folder)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := name.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda item: item[0])]

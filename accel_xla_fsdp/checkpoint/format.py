@@ -557,39 +557,34 @@ def read_header(path: Path) -> FileHeader:
 # Checksums
 
 
-# Every checksum names its algorithm ("xxh3_64:<16 hex digits>"), so that another can be added
-# without a new format. XXH3-64 (the ``xxhash`` package) hashes at ~30-60 GB/s on this 2-core
-# machine against zlib's CRC-32 at ~5 GB/s: a consolidation checks the 1.2 GB of a 300 M-parameter
-# model beside its writing, and with CRC-32 that cost 1.4-1.9x its time whenever no core was free.
-ALGORITHMS: Dict[str, Callable[[], Any]] = {"xxh3_64": xxhash.xxh3_64}
-SAVED_WITH = "xxh3_64"
-
-
-def algorithm_of(value: str) -> str:
-    return value.split(":", 1)[0]
+# Checksums are XXH3-64 (the ``xxhash`` package), written "xxh3_64:<16 hex digits>" so that the
+# value names its algorithm. It hashes at ~30-60 GB/s on this 2-core machine against zlib's CRC-32
+# at ~5 GB/s: a consolidation checks the 1.2 GB of a 300 M-parameter model beside its writing,
+# and with CRC-32 that cost 1.4-1.9x its time whenever no core was free.
+def _formatted(digest: Any) -> str:
+    return f"xxh3_64:{digest.hexdigest()}"
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
     """The checksum of a CPU tensor's bytes as safetensors writes them (contiguous, row-major)."""
     flat = tensor.detach().contiguous().reshape(-1)
-    digest = ALGORITHMS[SAVED_WITH]()
+    digest = xxhash.xxh3_64()
     if flat.numel():
         digest.update(flat.view(torch.uint8).numpy())
-    return f"{SAVED_WITH}:{digest.hexdigest()}"
+    return _formatted(digest)
 
 
 def file_checksum(
     path: Path,
     start: int,
     length: int,
-    algorithm: str = SAVED_WITH,
     buffer: Optional[bytearray] = None,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> str:
     """The checksum of ``length`` bytes of ``path`` from ``start``, read into one reused buffer."""
     buffer = buffer if buffer is not None else bytearray(min(VERIFY_CHUNK, max(length, 1)))
     view = memoryview(buffer)
-    digest = ALGORITHMS[algorithm]()
+    digest = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         while length > 0 and not cancelled():
@@ -598,7 +593,7 @@ def file_checksum(
                 raise CheckpointError(f"{path}: ends {length} bytes before its last tensor does (truncated)")
             digest.update(view[:n])
             length -= n
-    return f"{algorithm}:{digest.hexdigest()}"
+    return _formatted(digest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -792,9 +787,7 @@ class ShardedCheckpoint:
         for name in header.tensors if names is None else names:
             t = header.tensors[name]
             saved = meta.checksums[name]
-            found = file_checksum(
-                path, header.data_start + t.begin, t.end - t.begin, algorithm_of(saved), buffer, cancelled
-            )
+            found = file_checksum(path, header.data_start + t.begin, t.end - t.begin, buffer, cancelled)
             if cancelled():
                 return read
             if found != saved:

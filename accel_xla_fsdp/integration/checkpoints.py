@@ -46,6 +46,7 @@ from accelerate.utils import load as accelerate_load
 
 from .. import _xla
 from ..checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_sharded, save_sharded
+from ..checkpoint.files import numbered_folders
 from ..fsdp import XlaFullyShardedDataParallel
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -85,8 +86,7 @@ def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> L
 
 def numbered_checkpoints(root: Path) -> List[Path]:
     """``checkpoint_<n>`` folders under ``root``, oldest first."""
-    found = [p for p in root.iterdir() if p.is_dir() and _NUMBERED.match(p.name)] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(_NUMBERED.match(p.name).group(1)))
+    return numbered_folders(root, _NUMBERED)
 
 
 def checkpoint_number(folder: Path) -> Optional[int]:

@@ -21,6 +21,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint import CheckpointError, ShardedCheckpoint
+from ..checkpoint.files import numbered_folders
 from ..checkpoint.torch_xla_files import holds_rank_files
 
 SHARDED_DIR = "xla_fsdp_0"
@@ -57,15 +58,14 @@ def incomplete_reason(folder: Path) -> Optional[str]:
 
 def numbered_checkpoints(output_dir: Path) -> List[Path]:
     """The ``checkpoint-N`` folders of ``output_dir``, highest N first."""
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NUMBERED.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found, key=lambda item: item[0], reverse=True)]
+    return numbered_folders(output_dir, _NUMBERED)[::-1]
 
 
 def is_newest(path: str | Path, output_dir: str | Path) -> bool:
     """Whether ``path`` is the highest ``checkpoint-N`` of ``output_dir``: what ``get_last_checkpoint``
     returns, and what transformers' example scripts find with it and pass on as a path."""
     output_dir = Path(output_dir)
-    newest = numbered_checkpoints(output_dir)[:1] if output_dir.is_dir() else []
+    newest = numbered_checkpoints(output_dir)[:1]
     return bool(newest) and Path(path).resolve() == newest[0].resolve()
 
 
