@@ -40,7 +40,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("checkpoint.files", "checkpoint.torch_xla_files", "checkpoint.pretrained"),
     ("checkpoint.consolidate", "checkpoint.sharded"),
     ("checkpoint",),
-    ("integration.tqdm_lock", "integration.replica_threads", "integration.script_logging"),
+    ("integration.tqdm_lock", "integration.replica_threads", "integration.script_logging", "integration.sdpa_mask"),
     ("integration.replica_seeds",),
     ("integration.plugin",),
     ("integration.trainer_args", "integration.trainer_resume"),
