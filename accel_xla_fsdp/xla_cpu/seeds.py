@@ -17,8 +17,8 @@ default generator cannot be made per-thread, so:
   generator, and ``torch.get_rng_state``/``set_rng_state`` (Accelerate's ``save_state`` and
   ``load_state``) read and write it. A CPU generator with the same state gives the same numbers
   as the default one, so every replica draws what a process of its own seeded alike would.
-* A model built by ``from_config`` or ``from_pretrained`` (hf_accelerate/pretrained_loading.py) draws with the
-  process's generator holding the thread's state, under the lock that builds one model at a
+* A model built by ``from_config`` or ``from_pretrained`` (hf_accelerate/pretrained_loading.py) draws
+  with the process's generator holding the thread's state, under the lock that builds one model at a
   time, so draws inside C++ code are covered as well.
 
 Not covered: draws made inside C++ without a Python call (``F.dropout`` on CPU tensors: on XLA
@@ -42,8 +42,9 @@ from .rendezvous import replicas_are_threads
 # either: see hf_accelerate/pretrained_loading.py); seeding waits for a build in progress.
 BUILDING = threading.RLock()
 _own = threading.local()  # .generator: this replica thread's, once it seeded; .building: in a build
-_ROUTED_FUNCTIONS = ("bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm")
-_ROUTED_METHODS = (
+# What the patch table (patches.py) routes to the thread's generator: torch functions, Tensor methods.
+ROUTED_FUNCTIONS = ("bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm")
+ROUTED_METHODS = (
     "bernoulli",
     "bernoulli_",
     "cauchy_",
@@ -60,10 +61,6 @@ _originals: Dict[str, Callable[..., Any]] = {
     "get_rng_state": torch.get_rng_state,
     "set_rng_state": torch.set_rng_state,
 }
-
-
-ROUTED_FUNCTIONS = _ROUTED_FUNCTIONS  # the patch table's entries (patches.py)
-ROUTED_METHODS = _ROUTED_METHODS
 
 
 def thread_state_generator() -> Optional[torch.Generator]:
