@@ -89,11 +89,15 @@ QUICK: Tuple[Tuple[str, str], ...] = (
         "checkpoint/torch_xla_files.py",
     ),
     ("test_torch_xla_conversion.py::test_a_pickle_that_would_run_code_is_refused", "no pickle code runs"),
-    # the runner, replica threads and their meetings (_xla.py, replica_run.py, runner.py)
+    # the runner, replica threads and their meetings (xla_cpu/, runner.py)
     ("test_runner.py::test_results_in_rank_order_on_cpu[2dev]", "run on a pool"),
     ("test_runner.py::test_seeded_builds_identical_models_on_every_replica", "seeded"),
     ("test_runner.py::test_replica_exception_ends_the_run_promptly_and_pool_recovers", "a failing replica"),
     ("test_replica_run.py", "meetings at graph boundaries: in-process, no devices"),
+    (
+        "test_patches.py::test_what_is_installed_is_the_table_and_uninstall_restores_it[CPU]",
+        "xla_cpu/patches.py: what is installed is the table, and uninstall() restores every name",
+    ),
     # the Accelerate integration
     ("test_accelerator.py::test_accelerate_collectives_on_replica_threads", "xla_cpu/host_collectives.py"),
     (
