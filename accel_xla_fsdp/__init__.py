@@ -15,6 +15,7 @@ from .wrap import (
     transformer_auto_wrap_policy,
     transformer_block_policy,
 )
+from .xla_cpu import patches
 
 __all__ = [
     "Accelerator",
@@ -44,17 +45,19 @@ __all__ = [
     "lambda_auto_wrap_policy",
 ]
 
+# What must be in place before torch_xla's launcher starts replica threads (xla_cpu/patches.py).
+patches.install(patches.Stage.PACKAGE)
+
 
 def __getattr__(name: str) -> object:
     """``Accelerator`` and ``XlaFsdpPlugin`` import Accelerate, ``Trainer`` and ``Seq2SeqTrainer``
     transformers' Trainer too: only when asked for."""
     if name in ("Accelerator", "XlaFsdpPlugin"):
-        from . import integration
+        from . import hf_accelerate
 
-        return getattr(integration, name)
+        return getattr(hf_accelerate, name)
     if name in ("Trainer", "Seq2SeqTrainer"):
-        from .integration import trainer
+        from . import hf_trainer
 
-        trainer.install()
-        return getattr(trainer, name)
+        return getattr(hf_trainer, name)
     raise AttributeError(f"module 'accel_xla_fsdp' has no attribute {name!r}")

@@ -2,8 +2,8 @@
 
 What FSDP2 keeps in ``_fsdp_init.py``: the wrapper (fsdp.py) calls these once per unit, before it
 makes the unit's ``UnitState`` (unit_state.py). Also the registry of every parameter a unit
-manages or replaced, which catches an optimizer built before wrapping and a parameter claimed by
-two units.
+manages or replaced, which catches an optimizer built before wrapping ([Note: the optimizer
+check]) and a parameter claimed by two units.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import (
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from . import _xla
 from .options import FsdpOptions, ShardingGroup
@@ -46,8 +47,10 @@ class _ParamRegistry:
 
     def __init__(self) -> None:
         self._names: Dict[int, Tuple[weakref.ref[nn.Parameter], str]] = {}
+        self.generation = 0  # counts additions: an optimizer checked before one is checked again
 
     def add(self, param: nn.Parameter, name: str) -> None:
+        self.generation += 1
         key = id(param)
         self._names[key] = (weakref.ref(param), name)
         weakref.finalize(param, self._names.pop, key, None)
@@ -255,7 +258,32 @@ def move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return cast
 
 
-def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+# [Note: the optimizer check]
+# An optimizer built before wrapping holds the parameters the units replaced: its steps would do
+# nothing (those never get a gradient again), silently. No per-optimizer hook can catch it: such
+# an optimizer holds none of our shards, and nothing of ours ever sees it. So a step pre-hook on
+# every optimizer is registered, but only once a unit has been built (importing the package
+# registers nothing), and an optimizer is scanned only when its param groups are new to it (its
+# first step, after ``add_param_group`` or Accelerate's ``prepare`` replaced a group's list, or
+# after more parameters were replaced by units): a step of an optimizer already checked costs one
+# comparison per param group.
+_Layout = Tuple[int, Tuple[Tuple[int, int], ...]]  # the registry's generation, each group's list and length
+_checked_layouts: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Layout]" = weakref.WeakKeyDictionary()
+_optimizer_check: Optional[RemovableHandle] = None
+
+
+def _watch_optimizers() -> None:
+    """Register the optimizer check, once, when the first unit is built (see the note above)."""
+    global _optimizer_check
+    if _optimizer_check is None:
+        _optimizer_check = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    groups = tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+    layout = (_MANAGED_PARAMS.generation, groups)
+    if _checked_layouts.get(optimizer) == layout:
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = _MANAGED_PARAMS.name_of(p)
@@ -265,6 +293,7 @@ def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs
                     "model, which FSDP has replaced by shards; build the optimizer after wrapping, "
                     "from the wrapped model's parameters()"
                 )
+    _checked_layouts[optimizer] = layout
 
 
 def build_groups(
@@ -280,6 +309,7 @@ def build_groups(
     ``source`` if given)."""
     owned = _owned_parameters(module)
     _check_devices(module, owned, device)
+    _watch_optimizers()
     full = {id(p): _full_param_for(p, owners, device) for p, owners in owned}
     named = [(full[id(p)], p, owners[0][2]) for p, owners in owned]
     aliases = {id(full[id(p)]): tuple(o[2] for o in owners[1:]) for p, owners in owned}
@@ -344,6 +374,3 @@ def _make_group(
         device,
         requires_grad=entries[0][1].requires_grad,
     )
-
-
-register_optimizer_step_pre_hook(_optimizer_step_pre_hook)

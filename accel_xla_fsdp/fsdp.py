@@ -43,6 +43,7 @@ from .param_group import ShardedParamGroup
 from .state_dict import WRAPPED_MODULE, full_state_dict, model_state_dict, shard_metadata
 from .unit_state import STATE_ATTRIBUTE, RootState, TrainingState, UnitState, holding_full_params
 from .wrap import recursive_wrap, resolve_policy
+from .xla_cpu.rendezvous import agree
 
 _WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -331,7 +332,7 @@ def _whole_model_state_dict(
     unit = unit_ref()
     if prefix or unit is None or not unit.is_root:
         return None
-    _xla.agree("state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)")
+    agree("state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)")
     return model_state_dict(unit.unit_state)
 
 

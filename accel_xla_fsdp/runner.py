@@ -10,7 +10,7 @@ that this module turns into errors:
   traceback and the whole process ends, and the caller gets the error re-raised within seconds;
 * XLA:CPU aborts when replicas reach a collective more than 10 s apart, e.g. while one is still
   compiling; the replicas take turns at every graph boundary, so one compiles and the others
-  reuse its program. ``_xla`` does that in every process that imports it, whoever starts the
+  reuse its program. ``xla_cpu/graph_boundaries.py`` does that in every process that imports it, whoever starts the
   replica threads; the runner only sets how long a replica waits there for the others.
 
 A ``DevicePool`` keeps the device process alive between calls, so compiled programs are shared
@@ -35,7 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequ
 import torch
 from torch.utils._pytree import tree_map
 
-from . import _replica_run, _xla
+from . import _xla
+from .xla_cpu import graph_boundaries, replica_run
 
 ReplicaFn = Callable[..., Any]
 
@@ -108,7 +109,7 @@ def _refuse_sync_inside_seeded() -> None:
         )
 
 
-_xla.before_graph_cut(_refuse_sync_inside_seeded)
+graph_boundaries.before_graph_cut(_refuse_sync_inside_seeded)
 
 
 class DevicePool:
@@ -121,7 +122,7 @@ class DevicePool:
         self,
         num_devices: int,
         env: Optional[Dict[str, str]] = None,
-        sync_timeout_s: float = _xla.DEFAULT_SYNC_TIMEOUT_S,
+        sync_timeout_s: float = graph_boundaries.DEFAULT_SYNC_TIMEOUT_S,
     ) -> None:
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
@@ -256,7 +257,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
     devices = _xla.local_devices()
     if len(devices) != num_devices:
         raise RuntimeError(f"asked for {num_devices} XLA:CPU devices, the runtime has {len(devices)}")
-    _xla.set_sync_timeout(sync_timeout_s)
+    graph_boundaries.set_sync_timeout(sync_timeout_s)
     send_lock = threading.Lock()
     while True:
         request = pickle.loads(conn.recv_bytes())
@@ -264,7 +265,7 @@ def _serve(conn: Connection, num_devices: int, sync_timeout_s: float) -> None:
             return
         fn, args = request
         results: List[Any] = [None] * num_devices
-        _xla.begin_replica_run()
+        graph_boundaries.begin_replica_run()
         threads = [
             threading.Thread(
                 target=_replica_main,
@@ -293,7 +294,7 @@ def _replica_main(
         _xla.enter_replica_thread(dev)
         results[rank] = _to_host(fn(rank, *args))
 
-    _replica_run.run_replica(rank, len(results), call, functools.partial(_report_and_exit, conn, send_lock))
+    replica_run.run_replica(rank, len(results), call, functools.partial(_report_and_exit, conn, send_lock))
 
 
 def _to_host(x: Any) -> Any:

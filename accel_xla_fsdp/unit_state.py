@@ -64,6 +64,7 @@ from .checkpointing import in_recompute
 from .collectives import GradBucket, gather_groups
 from .options import FsdpOptions, ShardingGroup
 from .param_group import ShardedParamGroup, free_groups
+from .xla_cpu.graph_boundaries import before_graph_cut
 
 # The wrapper's attribute holding its unit's state (``is_unit`` reads it).
 STATE_ATTRIBUTE = "unit_state"
@@ -386,7 +387,7 @@ def _free_idle_units() -> None:
                     unit.free_params(None)
 
 
-_xla.before_graph_cut(_free_idle_units)
+before_graph_cut(_free_idle_units)
 
 
 @contextmanager

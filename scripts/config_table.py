@@ -3,7 +3,7 @@
     .venv/bin/python scripts/config_table.py           # rewrite the table in docs/configuration.md
     .venv/bin/python scripts/config_table.py --check   # exit 1 when the page differs (tests/test_docs.py)
 
-Each row is one entry of ``accel_xla_fsdp.integration.plugin.config_help()``: an ``fsdp_config``
+Each row is one entry of ``accel_xla_fsdp.hf_accelerate.plugin.config_help()``: an ``fsdp_config``
 key and ``"<ENV> (default <value>): <help>"``. Only the lines between the two markers are written;
 the rest of the page is prose written by hand.
 """
@@ -44,7 +44,7 @@ def with_table(page: str, new_table: str) -> str:
 
 def generated_page() -> str:
     """docs/configuration.md as it should be committed."""
-    from accel_xla_fsdp.integration.plugin import config_help
+    from accel_xla_fsdp.hf_accelerate.plugin import config_help
 
     return with_table(PAGE.read_text(), table(config_help()))
 

@@ -25,8 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # Lowest first. Entries on one line (a tuple) share a position: they may import each other
 # only without a circle.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
-    ("_replica_run",),
+    # the platform: the adapter over torch_xla, and XLA:CPU replica threads behaving as processes
+    ("xla_cpu.replica_run",),
     ("_xla",),
+    ("xla_cpu.graph_boundaries",),
+    ("xla_cpu.rendezvous",),
+    ("xla_cpu.seeds", "xla_cpu.host_collectives", "xla_cpu.script_logging", "xla_cpu.tqdm_lock", "xla_cpu.sdpa_mask"),
+    ("xla_cpu.patches",),  # names the rooms' patch functions by string: it imports none of them
+    ("xla_cpu", "xla_cpu.__main__"),
+    # the engine
     ("runner",),
     ("options",),
     ("param_group",),
@@ -36,19 +43,21 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("state_dict",),
     ("construction",),
     ("fsdp",),
+    # checkpoints
     ("checkpoint.format",),
     ("checkpoint.files", "checkpoint.torch_xla_files", "checkpoint.pretrained"),
     ("checkpoint.consolidate", "checkpoint.sharded"),
     ("checkpoint",),
-    ("integration.tqdm_lock", "integration.replica_threads", "integration.script_logging", "integration.sdpa_mask"),
-    ("integration.replica_seeds",),
-    ("integration.plugin",),
-    ("integration.trainer_args", "integration.trainer_resume"),
-    ("integration.launch", "integration.optimizer"),
-    ("integration.pretrained_loading", "integration.checkpoints", "integration.unwrapped_generate"),
-    ("integration.accelerator",),
-    ("integration.trainer",),
-    ("integration",),
+    # the Accelerate room
+    ("hf_accelerate.plugin",),
+    ("hf_accelerate.launch", "hf_accelerate.optimizer"),
+    ("hf_accelerate.pretrained_loading", "hf_accelerate.checkpoints", "hf_accelerate.unwrapped_generate"),
+    ("hf_accelerate.accelerator",),
+    ("hf_accelerate",),
+    # the Trainer room (may import the Accelerate room, not the reverse)
+    ("hf_trainer.arguments", "hf_trainer.resume"),
+    ("hf_trainer.trainer",),
+    ("hf_trainer",),
     ("cli",),
     ("",),  # the package's __init__
     ("__main__",),

@@ -22,7 +22,8 @@ from models import LAUNCH_LLAMA
 from torch_xla._internal import pjrt
 from transformers import LlamaConfig, LlamaForCausalLM  # model classes before the replicas start
 
-from accel_xla_fsdp import XlaFullyShardedDataParallel, _xla, seeded, transformer_block_policy
+from accel_xla_fsdp import XlaFullyShardedDataParallel, seeded, transformer_block_policy
+from accel_xla_fsdp.xla_cpu import graph_boundaries
 
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -78,16 +79,16 @@ def main_thread() -> Dict[str, object]:
     as a single-device script (world size 1) and then as a launcher's main thread (the
     replication set over every device of the process, as torch_xla's launcher does)."""
     calls: List[object] = []
-    original = _xla._original_step_marker
+    original = graph_boundaries.torch_xla_step_marker
 
     def spy(*args: object, **kwargs: object) -> None:
         calls.append([args[0], list(args[1]), kwargs])
         original(*args, **kwargs)
 
-    _xla._original_step_marker = spy
+    graph_boundaries.torch_xla_step_marker = spy
     cuts: List[int] = []
-    _xla.before_graph_cut(lambda: cuts.append(1))
-    _xla.set_sync_timeout(1.0)  # had this thread waited for other replicas, its sync would raise
+    graph_boundaries.before_graph_cut(lambda: cuts.append(1))
+    graph_boundaries.set_sync_timeout(1.0)  # had this thread waited for other replicas, its sync would raise
     single = replica(0, 1)
     single_calls = len(calls)
 
@@ -102,7 +103,7 @@ def main_thread() -> Dict[str, object]:
         "single_device_syncs": single_calls,
         "callbacks": len(cuts),
         "x": x.cpu().tolist(),
-        "turns_made": _xla._turns is not None,
+        "turns_made": graph_boundaries.turns_made(),
     }
 
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import accel_xla_fsdp
 from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
 from accel_xla_fsdp.checkpoint import CheckpointError
-from accel_xla_fsdp.integration.plugin import CONFIG_FILE_ENV
+from accel_xla_fsdp.hf_accelerate.plugin import CONFIG_FILE_ENV
 
 _order: List[int] = []
 _order_lock = threading.Lock()
@@ -332,7 +332,7 @@ def test_sync_module_states_starts_every_replica_from_rank_0(pools) -> None:
 
 
 def test_checkpoint_folders_commit_and_rotate(tmp_path: Path) -> None:
-    from accel_xla_fsdp.integration import checkpoints
+    from accel_xla_fsdp.hf_accelerate import checkpoints
 
     root = tmp_path / "checkpoints"
     for n in (0, 1, 2, 10):

@@ -287,7 +287,7 @@ def test_accelerate_load_state_refuses_a_rank_file_of_another_run(pools, tmp_pat
 def accelerate_round(rank: int, world: int, folder: str, seed: int, kill: str = "") -> Dict[str, torch.Tensor]:
     """save_state of a model drawn from ``seed`` (dying with SIGKILL at ``kill``); its state."""
     from accel_xla_fsdp import Accelerator
-    from accel_xla_fsdp.integration import checkpoints
+    from accel_xla_fsdp.hf_accelerate import checkpoints
 
     acc = Accelerator()
     torch.manual_seed(seed)

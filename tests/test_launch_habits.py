@@ -127,7 +127,7 @@ def test_import_inside_main_stops_with_what_to_do(pretrained, tmp_path: Path) ->
 
 
 def test_device_count_other_than_asked_stops(monkeypatch) -> None:
-    from accel_xla_fsdp.integration import launch as launch_settings
+    from accel_xla_fsdp.hf_accelerate import launch as launch_settings
 
     monkeypatch.setenv(launch_settings.NUM_PROCESSES_ENV, "4")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
@@ -141,7 +141,7 @@ def test_device_count_other_than_asked_stops(monkeypatch) -> None:
 
 
 def test_launcher_command_line_is_recognised_behind_the_interpreter() -> None:
-    from accel_xla_fsdp.integration.launch import launch_arguments
+    from accel_xla_fsdp.hf_accelerate.launch import launch_arguments
 
     argv = ["/venv/bin/python3.11", "/venv/bin/accelerate", "launch", "--config_file", "c.yaml", "s.py"]
     assert launch_arguments(argv) == ["--config_file", "c.yaml", "s.py"]
@@ -149,16 +149,15 @@ def test_launcher_command_line_is_recognised_behind_the_interpreter() -> None:
 
 
 def test_torch_xla_basic_config_handler_is_dropped(monkeypatch) -> None:
-    from accel_xla_fsdp.integration.script_logging import drop_torch_xla_basic_config
+    from accel_xla_fsdp.xla_cpu.script_logging import without_torch_xla_basic_config
 
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [])
     monkeypatch.setattr(root, "level", logging.WARNING)
     logging.basicConfig()  # what import torch_xla does
-    drop_torch_xla_basic_config()
+    root.handlers = without_torch_xla_basic_config(root.handlers)  # what the patch table installs
     assert root.handlers == []
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the script's own now takes effect
     assert root.level == logging.INFO and len(root.handlers) == 1
     custom = root.handlers[0]
-    drop_torch_xla_basic_config()  # a configured root is left alone
-    assert root.handlers == [custom]
+    assert without_torch_xla_basic_config(root.handlers) == [custom]  # a configured root is left alone

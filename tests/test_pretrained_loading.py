@@ -192,7 +192,7 @@ def test_running_a_model_before_prepare_says_what_to_do(efficient_pool, tmp_path
 
 
 def test_unsupported_loading_arguments_are_refused(monkeypatch, tmp_path: Path) -> None:
-    import accel_xla_fsdp.integration  # noqa: F401 - installs the patch
+    import accel_xla_fsdp.hf_accelerate  # noqa: F401 - installs the patch
 
     save_model(tmp_path, tied=True)
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
@@ -227,7 +227,7 @@ def test_from_pretrained_on_four_replica_threads_at_once(pools, tmp_path: Path) 
 def test_the_key_set_in_code_reaches_from_pretrained(monkeypatch) -> None:
     """As Accelerate's FSDP plugin does, the plugin exports the key for ``from_pretrained``."""
     from accel_xla_fsdp import XlaFsdpPlugin
-    from accel_xla_fsdp.integration.plugin import configured
+    from accel_xla_fsdp.hf_accelerate.plugin import configured
 
     monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
     assert configured("cpu_ram_efficient_loading") is False

@@ -10,8 +10,10 @@ import pytest
 from tqdm.auto import tqdm
 from tqdm.contrib import concurrent
 
-from accel_xla_fsdp import Accelerator, _xla  # noqa: F401  (the import a script makes)
-from accel_xla_fsdp.integration import tqdm_lock
+from accel_xla_fsdp import Accelerator  # noqa: F401  (the import a script makes)
+from accel_xla_fsdp.xla_cpu import patches, tqdm_lock
+
+TARGET = "tqdm.contrib.concurrent:ensure_lock"
 
 
 def overlap_in_threads(ensure_lock: Callable, threads: int = 3) -> List[BaseException]:
@@ -61,13 +63,13 @@ def test_tqdm_itself_breaks_when_threads_overlap(no_tqdm_lock: None) -> None:
     """Threads entering one after another and leaving in the same order: the second puts back the
     lock the first deleted (two entering at the very same moment both delete it, and the second
     fails: AttributeError: ... has no attribute '_lock', as seen in load_dataset)."""
-    assert tqdm_lock._original is not None, "importing accel_xla_fsdp installs the patch"
-    errors = overlap_in_threads(tqdm_lock._original)
+    assert TARGET in patches.installed(), "importing Accelerator installs the patch"
+    errors = overlap_in_threads(patches.original_of(TARGET))
     assert lock_left_behind() or any(isinstance(e, AttributeError) and "_lock" in str(e) for e in errors), errors
 
 
 def test_replica_threads_take_turns_through_tqdm_lock(no_tqdm_lock: None, monkeypatch) -> None:
-    assert getattr(concurrent.ensure_lock, "accel_xla_fsdp", False), "importing accel_xla_fsdp installs it"
-    monkeypatch.setattr(_xla, "replicas_are_threads", lambda: True)
+    assert concurrent.ensure_lock is patches.installed()[TARGET], "importing Accelerator installs it"
+    monkeypatch.setattr(tqdm_lock, "replicas_are_threads", lambda: True)
     assert overlap_in_threads(concurrent.ensure_lock) == []
     assert not lock_left_behind(), "tqdm is left as it was found"

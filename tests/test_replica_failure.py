@@ -2,7 +2,7 @@
 
 ``failing_replica.py`` trains a tiny Llama on 4 XLA:CPU devices and its replica 1 raises, under
 torch_xla's ``pjrt.run_multiprocess`` and ``xmp.spawn`` and under ``accelerate launch`` (our
-own runner: ``test_runner.py``). Without ``_replica_run`` the other replicas waited 600 s where
+own runner: ``test_runner.py``). Without ``xla_cpu/replica_run.py`` the other replicas waited 600 s where
 the replicas meet, or until XLA:CPU aborted a collective, and the failing traceback came last if
 at all. Each run's measured time from the failure to the end of the process is printed (``-s``).
 """

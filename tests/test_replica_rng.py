@@ -1,4 +1,4 @@
-"""torch's CPU generator in replica threads (integration/replica_seeds.py): after ``set_seed(s)``
+"""torch's CPU generator in replica threads (xla_cpu/seeds.py): after ``set_seed(s)``
 each replica thread draws what a process of its own with ``set_seed(s)`` draws, here the masks of
 ``DataCollatorForLanguageModeling`` through a shuffling dataloader (transformers' mlm example)."""
 
@@ -11,7 +11,7 @@ from typing import List
 
 import torch
 
-import accel_xla_fsdp.integration  # noqa: F401  (installs the per-thread generators in the device process)
+import accel_xla_fsdp.hf_accelerate  # noqa: F401  (installs the per-thread generators in the device process)
 from accel_xla_fsdp import _xla
 
 HERE = Path(__file__).resolve().parent

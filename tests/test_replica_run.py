@@ -1,4 +1,4 @@
-"""Where replica threads meet (``_replica_run``), with plain threads: no device needed.
+"""Where replica threads meet (``xla_cpu/replica_run.py``), with plain threads: no device needed.
 
 A meeting breaks at once when a replica it waits for has returned, and one that times out names
 the replicas that did not come and where they are; a replica returning just after a meeting
@@ -16,12 +16,13 @@ from typing import Callable, Deque, Dict, List
 import pytest
 import torch
 
-from accel_xla_fsdp import _replica_run, _xla, unit_state
+from accel_xla_fsdp import _xla, unit_state
+from accel_xla_fsdp.xla_cpu import replica_run
 
 
 def run_replicas(fns: List[Callable[[int], object]]) -> Dict[int, object]:
     """Each ``fns[rank](rank)`` as a replica thread; what each returned or raised, by rank."""
-    _replica_run.begin_run()
+    replica_run.begin_run()
     outcome: Dict[int, object] = {}
 
     class Ended(Exception):
@@ -33,7 +34,7 @@ def run_replicas(fns: List[Callable[[int], object]]) -> Dict[int, object]:
 
     def target(rank: int) -> None:
         try:
-            outcome[rank] = _replica_run.run_replica(rank, len(fns), lambda: fns[rank](rank), keep)
+            outcome[rank] = replica_run.run_replica(rank, len(fns), lambda: fns[rank](rank), keep)
         except Ended:
             pass
 
@@ -47,7 +48,7 @@ def run_replicas(fns: List[Callable[[int], object]]) -> Dict[int, object]:
 
 
 def test_meeting_waiting_for_a_returned_replica_breaks_at_once() -> None:
-    meeting = _replica_run.Meeting(3)
+    meeting = replica_run.Meeting(3)
     started = time.monotonic()
     outcome = run_replicas(
         [
@@ -59,14 +60,14 @@ def test_meeting_waiting_for_a_returned_replica_breaks_at_once() -> None:
     assert time.monotonic() - started < 5.0
     assert outcome[1] == "returned without meeting"
     for rank in (0, 2):
-        assert isinstance(outcome[rank], _replica_run.ReplicaGone), outcome[rank]
+        assert isinstance(outcome[rank], replica_run.ReplicaGone), outcome[rank]
         message = str(outcome[rank])
         assert f"replica {rank} waits at the test's meeting for replica(s) [1], which have returned" in message
         assert "replica 1 has returned." in message
 
 
 def test_replicas_meeting_from_different_places_are_said_once(capsys) -> None:
-    meeting = _replica_run.Meeting(3)
+    meeting = replica_run.Meeting(3)
     here, there = (("train.py", 10, "step"),), (("train.py", 20, "save"),)
     run_replicas(
         [
@@ -86,12 +87,12 @@ def sleeping_somewhere_recognizable(rank: int) -> None:
 
 
 def test_meeting_that_times_out_names_the_missing_replica_and_where_it_is() -> None:
-    meeting = _replica_run.Meeting(2)
+    meeting = replica_run.Meeting(2)
     started = time.monotonic()
     outcome = run_replicas([lambda rank: meeting.wait(rank, "graph boundary 7", 1.0), sleeping_somewhere_recognizable])
     assert 1.0 <= time.monotonic() - started < 10.0
     message = str(outcome[0])
-    assert isinstance(outcome[0], _replica_run.ReplicaGone), outcome[0]
+    assert isinstance(outcome[0], replica_run.ReplicaGone), outcome[0]
     assert message.startswith("replica 0 waited 1 s at graph boundary 7 for replica(s) [1].")
     assert "replica 1 is at:" in message and "in sleeping_somewhere_recognizable" in message
 
@@ -100,7 +101,7 @@ def test_a_turn_that_is_never_passed_on_names_the_replica_holding_it() -> None:
     # Replica 0 met the others and took its turn, then never finished its sync (here: sleeps,
     # then returns without passing the turn on): replica 1 names it once its wait times out, and
     # replica 2 (whose turn comes after 1's) at once when 0 has returned.
-    turns = _replica_run.Turns(3)
+    turns = replica_run.Turns(3)
     started = time.monotonic()
 
     def holds_its_turn(rank: int) -> None:
@@ -112,7 +113,7 @@ def test_a_turn_that_is_never_passed_on_names_the_replica_holding_it() -> None:
     )
     assert time.monotonic() - started < 10.0
     for rank in (1, 2):
-        assert isinstance(outcome[rank], _replica_run.ReplicaGone), outcome[rank]
+        assert isinstance(outcome[rank], replica_run.ReplicaGone), outcome[rank]
     assert str(outcome[1]).startswith("replica 1 waited 1 s for its turn at graph boundary 1")
     assert "replica 0 is at:" in str(outcome[1]) and "in sleeping_somewhere_recognizable" in str(outcome[1])
     assert "after replica 0, which has returned" in str(outcome[2])
@@ -121,7 +122,7 @@ def test_a_turn_that_is_never_passed_on_names_the_replica_holding_it() -> None:
 def test_replica_returning_right_after_a_meeting_breaks_nothing() -> None:
     """Replica 0 comes last, completing the meeting, and returns at once: the others leave the
     meeting normally, however late they wake."""
-    meeting = _replica_run.Meeting(3)
+    meeting = replica_run.Meeting(3)
 
     def come_last_then_return(rank: int) -> str:
         time.sleep(0.05)

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from accel_xla_fsdp import DevicePool, ReplicaError, XlaFullyShardedDataParallel, _xla, run_on_devices, seeded
-from accel_xla_fsdp._replica_run import ReplicaGone
+from accel_xla_fsdp.xla_cpu.replica_run import ReplicaGone
 
 # A failing or dying run must end within this long (it ends in about a second when the runner works;
 # a hang would last for ever).

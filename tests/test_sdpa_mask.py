@@ -1,4 +1,4 @@
-"""transformers' SDPA mask check on XLA:CPU replica threads (integration/sdpa_mask.py): a Llama
+"""transformers' SDPA mask check on XLA:CPU replica threads (xla_cpu/sdpa_mask.py): a Llama
 with SDPA attention and an attention mask reads nothing back mid-forward, and computes what the
 same model computes on the CPU."""
 

@@ -18,8 +18,8 @@ from typing import Any, Dict, Optional
 import torch.nn as nn
 
 from accel_xla_fsdp import FsdpOptions, XlaFullyShardedDataParallel, transformer_block_policy
-from accel_xla_fsdp.integration import launch
-from accel_xla_fsdp.integration.plugin import CONFIG_EXPORTED_ENV, CONFIG_FILE_ENV, NOT_CONFIGURABLE, XlaFsdpPlugin
+from accel_xla_fsdp.hf_accelerate import launch
+from accel_xla_fsdp.hf_accelerate.plugin import CONFIG_EXPORTED_ENV, CONFIG_FILE_ENV, NOT_CONFIGURABLE, XlaFsdpPlugin
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "import_graph.py"
 
@@ -39,9 +39,9 @@ def test_import_graph_has_no_circle_and_no_upward_edge() -> None:
 
 def test_import_graph_check_finds_circles_and_upward_edges() -> None:
     graph = _script()
-    problems = graph.check({"fsdp": {"state_dict"}, "state_dict": {"fsdp"}, "options": {"integration.plugin"}})
+    problems = graph.check({"fsdp": {"state_dict"}, "state_dict": {"fsdp"}, "options": {"hf_accelerate.plugin"}})
     assert "upward import: state_dict -> fsdp" in problems
-    assert "upward import: options -> integration.plugin" in problems
+    assert "upward import: options -> hf_accelerate.plugin" in problems
     assert "import circle among: fsdp, state_dict" in problems
     assert graph.check({"nowhere": set()}) == ["nowhere is not in LAYERS: place it"]
     assert graph.check({"fsdp": {"state_dict", "unit_state"}, "state_dict": {"unit_state"}, "unit_state": set()}) == []

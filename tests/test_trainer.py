@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 from accel_xla_fsdp._xla import cpu_device_env
-from accel_xla_fsdp.integration.trainer_args import check_precision, plugin_from_training_args
+from accel_xla_fsdp.hf_trainer.arguments import check_precision, plugin_from_training_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "plugins" / "xla_fsdp_cpu.yaml"

@@ -1,5 +1,5 @@
 """Which ``checkpoint-N`` ``Trainer.train(resume_from_checkpoint=True)`` resumes from
-(integration/trainer_resume.py), on folders made on disk: the newest complete one, each newer
+(hf_trainer/resume.py), on folders made on disk: the newest complete one, each newer
 incomplete one (as a save killed midway leaves it) skipped with why, and an explicit path that is
 incomplete refused with the right reason. The launched end-to-end check is in test_trainer.py.
 """
@@ -15,7 +15,7 @@ import pytest
 from models import build, wrap
 
 from accel_xla_fsdp import CheckpointError, Trainer, save_sharded
-from accel_xla_fsdp.integration.trainer_resume import incomplete_reason, is_newest, newest_complete
+from accel_xla_fsdp.hf_trainer.resume import incomplete_reason, is_newest, newest_complete
 
 MODEL = "nested_linear"
 

@@ -4,7 +4,7 @@ Accelerate's XLA forms of ``gather``, ``reduce``, ``pad_across_processes`` and t
 dataloader's seed broadcast issue torch_xla collectives without a channel id, which hang on
 several XLA:CPU devices (see the platform note in _xla.py). Replica threads share the host, so
 here each value is read back at a graph boundary (where the replicas take turns) and handed
-over in memory: exact, and no program to compile. Used only when ``_xla.replicas_are_threads()``;
+over in memory: exact, and no program to compile. Used only when ``rendezvous.replicas_are_threads()``;
 on a TPU Accelerate's own forms run.
 """
 
@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _xla
+from .rendezvous import exchange
 
 
 def _exchange_leaves(data: Any, tag: str, prepare: Callable[[torch.Tensor], Any]) -> tuple:
@@ -23,7 +24,7 @@ def _exchange_leaves(data: Any, tag: str, prepare: Callable[[torch.Tensor], Any]
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{tag} takes tensors (or lists, tuples and dicts of them), got {type(leaf).__name__}")
-    everyone = _xla.exchange([prepare(t) for t in leaves], tag)
+    everyone = exchange([prepare(t) for t in leaves], tag)
     return leaves, spec, everyone
 
 
@@ -91,9 +92,9 @@ def share_rng_states(rng_types: Sequence[str], generator: Optional[torch.Generat
     for rng_type in rng_types:
         kind = str(getattr(rng_type, "value", rng_type))
         if kind == "generator" and generator is not None:
-            generator.set_state(_xla.exchange(generator.get_state(), "generator state")[0])
+            generator.set_state(exchange(generator.get_state(), "generator state")[0])
         elif kind == "xla":
             dev = _xla.device()
-            _xla.set_rng_state(_xla.exchange(_xla.rng_state(dev), "xla rng state")[0], dev)
+            _xla.set_rng_state(exchange(_xla.rng_state(dev), "xla rng state")[0], dev)
         elif kind == "torch":
-            torch.set_rng_state(_xla.exchange(torch.get_rng_state(), "torch rng state")[0])
+            torch.set_rng_state(exchange(torch.get_rng_state(), "torch rng state")[0])

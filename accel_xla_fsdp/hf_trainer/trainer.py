@@ -6,12 +6,12 @@ classes (transformers 5.24), and why:
 
 - The Trainer builds its ``Accelerator`` itself (``create_accelerator_and_postprocess``); here it
   is ours, with the FSDP settings of ``TrainingArguments(fsdp=..., fsdp_config=...)`` if any
-  (trainer_args.py), else the config file's. The Trainer then takes its ordinary Accelerate
+  (arguments.py), else the config file's. The Trainer then takes its ordinary Accelerate
   path: ``accelerator.prepare(model, optimizer)`` shards the model and moves the optimizer onto
   the shards. torch_xla's own FSDP (``fsdp_config["xla"]``, ``integrations/tpu.py``) is never
   used: the trainer's ``args`` are a copy whose ``fsdp`` is off, its settings taken over.
 - The Trainer's XLA branches that call torch_xla directly (``xm.mesh_reduce`` for the logged
-  loss, ``xm.rendezvous`` around saves, ``xm.mark_step``) run as they are: _xla.py makes the
+  loss, ``xm.rendezvous`` around saves, ``xm.mark_step``) run as they are: xla_cpu/rendezvous.py makes the
   rendezvous work between XLA:CPU replica threads.
 - Checkpoints (``save_steps``): ``checkpoint-N/xla_fsdp_0/`` holds our sharded model and
   optimizer (loadable on any number of replicas) beside the Trainer's own files (scheduler,
@@ -39,12 +39,12 @@ import transformers.trainer
 from accelerate.logging import get_logger
 from transformers.trainer import SCHEDULER_NAME
 
-from .. import _xla
 from ..checkpoint import CheckpointError, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
-from .accelerator import Accelerator, XlaDataLoader
-from .trainer_args import check_precision, plugin_from_training_args
-from .trainer_resume import SHARDED_DIR, incomplete_reason, is_newest, newest_complete
+from ..hf_accelerate.accelerator import Accelerator, XlaDataLoader
+from ..xla_cpu.rendezvous import agree
+from .arguments import check_precision, plugin_from_training_args
+from .resume import SHARDED_DIR, incomplete_reason, is_newest, newest_complete
 
 logger = get_logger(__name__)
 _building = threading.local()  # the plugin of the Trainer building its Accelerator in this thread
@@ -72,11 +72,14 @@ def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     return accelerate.skip_first_batches(dataloader, num_batches)
 
 
-def install() -> None:
-    """Point the two names ``transformers.trainer`` imported from Accelerate at the dispatchers
-    above (Accelerate's own objects for anything not ours)."""
-    transformers.trainer.Accelerator = _accelerator
-    transformers.trainer.skip_first_batches = _skip_first_batches
+def accelerator_dispatch(original: Any) -> Any:
+    """The patch of ``transformers.trainer.Accelerator`` (xla_cpu/patches.py)."""
+    return _accelerator
+
+
+def skip_first_batches_dispatch(original: Any) -> Any:
+    """The patch of ``transformers.trainer.skip_first_batches`` (xla_cpu/patches.py)."""
+    return _skip_first_batches
 
 
 class _OnXlaFsdp:
@@ -158,7 +161,7 @@ class _OnXlaFsdp:
                 inner.config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
-        _xla.agree("save_model")
+        agree("save_model")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The optimizer is in ``xla_fsdp_0/`` with the model; the scheduler as the Trainer writes it."""
@@ -168,7 +171,7 @@ class _OnXlaFsdp:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """``resume_from_checkpoint=True`` takes the newest complete ``checkpoint-N`` (trainer_resume.py)
+        """``resume_from_checkpoint=True`` takes the newest complete ``checkpoint-N`` (resume.py)
         where the Trainer would take the highest N, complete or not; each newer one skipped is
         named in a warning. So does the path of the highest ``checkpoint-N`` of ``output_dir``,
         which is what scripts that call ``get_last_checkpoint`` themselves pass (transformers'

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Dict, Mapping, Optional
 
+from ..hf_accelerate.plugin import SETTINGS, XlaFsdpPlugin, check_config_section
 from ..options import FsdpOptions, argument_name
-from .plugin import SETTINGS, XlaFsdpPlugin, check_config_section
 
 # torch_xla's XlaFullyShardedDataParallel argument (``fsdp_config["xla_fsdp_settings"]``) -> field.
 _TORCH_XLA_ARGUMENTS = {argument_name(f): f.name for f in fields(FsdpOptions)}

@@ -12,31 +12,19 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
-from .. import _xla
+from .rendezvous import replicas_are_threads
 
 _TURN = threading.RLock()
-_original: Optional[Callable[..., Any]] = None  # tqdm's own, once patched
 
 
-def install() -> None:
-    """Patch ``tqdm.contrib.concurrent.ensure_lock`` (once per process)."""
-    try:
-        from tqdm.contrib import concurrent
-    except ImportError:  # tqdm is optional here
-        return
-    global _original
-    if getattr(concurrent.ensure_lock, "accel_xla_fsdp", False):
-        return
-    _original = concurrent.ensure_lock
-    concurrent.ensure_lock = _taking_turns(_original)
+def taking_turns(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The patch of ``tqdm.contrib.concurrent.ensure_lock`` (patches.py)."""
 
-
-def _taking_turns(original: Callable[..., Any]) -> Callable[..., Any]:
     @contextmanager
     def ensure_lock(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        if not _xla.replicas_are_threads():
+        if not replicas_are_threads():
             with original(*args, **kwargs) as lock:
                 yield lock
             return
@@ -44,5 +32,4 @@ def _taking_turns(original: Callable[..., Any]) -> Callable[..., Any]:
             yield lock
 
     ensure_lock.__doc__ = original.__doc__
-    ensure_lock.accel_xla_fsdp = True  # type: ignore[attr-defined]
     return ensure_lock

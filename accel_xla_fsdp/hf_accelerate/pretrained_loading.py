@@ -1,10 +1,11 @@
 """``from_pretrained`` in replica threads, and pretrained models that are never whole in host memory.
 
-Importing the integration patches ``transformers``' ``PreTrainedModel.from_pretrained`` (and
-``_from_config``, which ``AutoModel*.from_config`` calls) twice over:
+Importing the Accelerate room patches ``transformers``' ``PreTrainedModel.from_pretrained`` (and
+``_from_config``, which ``AutoModel*.from_config`` calls) twice over (the patch table,
+``xla_cpu/patches.py``, installs them):
 
-* Every call takes one process-wide lock (``replica_seeds.BUILDING``) and draws from the replica
-  thread's own seed (replica_seeds.py). transformers 5 builds models inside process-wide contexts
+* Every call takes one process-wide lock (``xla_cpu/seeds.py``'s ``BUILDING``) and draws from the replica
+  thread's own seed (xla_cpu/seeds.py). transformers 5 builds models inside process-wide contexts
   (the meta device, "do not tie weights yet"); on XLA:CPU the replicas are threads of one process,
   and four threads loading a tied-embedding model at once left ``lm_head.weight`` on the meta
   device, every time (measured). On a TPU (one process per chip) the lock is never contended.
@@ -37,9 +38,9 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import _xla
 from ..checkpoint.pretrained import PretrainedWeights
-from . import replica_seeds
+from ..xla_cpu import patches, seeds
+from ..xla_cpu.rendezvous import broadcast_from_rank0_, replicas_are_threads
 from .plugin import configured
 
 _deferring = threading.local()
@@ -57,18 +58,6 @@ _UNSUPPORTED_ARGUMENTS = (
     "tp_plan",
     "distributed_config",
 )
-
-
-def install() -> None:
-    """Patch ``PreTrainedModel`` (once per process)."""
-    from transformers import modeling_utils
-
-    model_class = modeling_utils.PreTrainedModel
-    if getattr(model_class.from_pretrained, "accel_xla_fsdp", False):
-        return
-    model_class.from_pretrained = _patched_from_pretrained(model_class.from_pretrained.__func__)
-    model_class._from_config = _locked_classmethod(model_class._from_config.__func__)
-    model_class._load_pretrained_model = staticmethod(_deferred_or(model_class._load_pretrained_model))
 
 
 def take_shard_source(model: nn.Module) -> Optional[PretrainedWeights]:
@@ -127,19 +116,23 @@ def share_rank0_real_tensors(model: nn.Module, device: torch.device) -> None:
     """``sync_module_states`` for a model loaded with the key on: rank 0's values of the tensors
     that hold values (parameters the files lack, buffers); the others come from the files."""
     real = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
-    if not _xla.replicas_are_threads():
+    if not replicas_are_threads():
         for t in real:  # torch_xla's broadcast runs on the device
             t.data = t.data.to(device)
-    _xla.broadcast_from_rank0_(real)
+    broadcast_from_rank0_(real)
 
 
 # ---------------------------------------------------------------------------------------------
 # The patches
 
 
-def _locked_classmethod(original: Callable[..., Any]) -> classmethod:
+def locked_from_config(found: classmethod) -> classmethod:
+    """The patch of ``PreTrainedModel._from_config`` (patches.py): built under the lock, from the
+    replica thread's own seed."""
+    original = found.__func__
+
     def locked(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with replica_seeds.thread_generator():
+        with seeds.thread_generator():
             return original(cls, *args, **kwargs)
 
     locked.__doc__ = original.__doc__
@@ -153,15 +146,18 @@ class _Deferral:
     source: Optional[PretrainedWeights] = None
 
 
-def _patched_from_pretrained(original: Callable[..., Any]) -> classmethod:
+def locked_from_pretrained(found: classmethod) -> classmethod:
+    """The patch of ``PreTrainedModel.from_pretrained`` (patches.py): built under the lock, from
+    the replica thread's own seed; with ``fsdp_cpu_ram_efficient_loading``, deferred."""
+    original = found.__func__
+
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with replica_seeds.thread_generator():
+        with seeds.thread_generator():
             if getattr(_prepared, "done", False) or not configured("cpu_ram_efficient_loading"):
                 return original(cls, *args, **kwargs)
             return _load_deferred(original, cls, args, kwargs)
 
     from_pretrained.__doc__ = original.__doc__
-    from_pretrained.accel_xla_fsdp = True
     return classmethod(from_pretrained)
 
 
@@ -175,7 +171,7 @@ def _load_deferred(original: Callable[..., Any], cls: type, args: Tuple[Any, ...
         _deferring.call = outer
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     if source is not None:
-        _remember_peft_adapters()
+        patches.install(patches.Stage.PEFT_LOAD)  # PEFT, if installed: see the note on PEFT below
         source.remember_names(model)  # tied now: the head is the embedding
         _LOADED[model] = (source, model.register_forward_pre_hook(_refuse_unprepared_forward))
     return loaded
@@ -191,15 +187,9 @@ def _load_deferred(original: Callable[..., Any], cls: type, args: Tuple[Any, ...
 _ADAPTER_VALUES: "weakref.WeakKeyDictionary[nn.Module, Dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
-def _remember_peft_adapters() -> None:
-    """Wrap PEFT's adapter placement, once, if PEFT is installed (see the note above)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return
-    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
-    if getattr(original, "accel_xla_fsdp", False):
-        return
+def remembering_adapters(original: Callable[..., None]) -> Callable[..., None]:
+    """The patch of PEFT's ``BaseTunerLayer._move_adapter_to_device_of_base_layer`` (patches.py;
+    see the note above)."""
 
     def move_adapter(layer: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
         if _waits_for_prepare(getattr(layer.get_base_layer(), "weight", None)):
@@ -208,8 +198,8 @@ def _remember_peft_adapters() -> None:
             _ADAPTER_VALUES.setdefault(layer, {}).update({n: p.detach().clone() for n, p in adapter})
         return original(layer, adapter_name, *args, **kwargs)
 
-    move_adapter.accel_xla_fsdp = True
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = move_adapter
+    move_adapter.__doc__ = original.__doc__
+    return move_adapter
 
 
 def _waits_for_prepare(weight: Optional[torch.Tensor]) -> bool:
@@ -245,7 +235,11 @@ def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
         )
 
 
-def _deferred_or(original: Callable[..., Any]) -> Callable[..., Any]:
+def deferred_or(found: staticmethod) -> staticmethod:
+    """The patch of ``PreTrainedModel._load_pretrained_model`` (patches.py): inside a deferred
+    ``from_pretrained``, the files remembered and nothing read."""
+    original = found.__func__
+
     def load(
         model: nn.Module, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any
     ) -> Any:
@@ -255,7 +249,7 @@ def _deferred_or(original: Callable[..., Any]) -> Callable[..., Any]:
         info, call.source = _remember_files(model, checkpoint_files, load_config)
         return info, None
 
-    return load
+    return staticmethod(load)
 
 
 def _remember_files(
@@ -337,4 +331,4 @@ def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner._buffers[attr] = value
 
 
-__all__: Tuple[str, ...] = ("install", "take_shard_source", "share_rank0_real_tensors")
+__all__: Tuple[str, ...] = ("take_shard_source", "share_rank0_real_tensors")

@@ -5,7 +5,7 @@ Two things silence a stock script's logs on XLA:CPU, where the replicas are thre
 * ``import torch_xla`` calls ``logging.basicConfig()``, which gives the root logger a handler,
   so the script's own ``logging.basicConfig(level=INFO, format=...)`` later does nothing and its
   ``logger.info`` lines (an example's per-epoch perplexity) are dropped at the root's WARNING.
-  ``drop_torch_xla_basic_config`` removes that handler again, when it is still the only one and
+  ``without_torch_xla_basic_config`` removes that handler again, when it is still the only one and
   untouched (the default format, the root at WARNING); warnings then print through Python's
   last-resort handler until the script configures logging.
 * Scripts set ``transformers``' (and ``datasets``') verbosity per process: "info" on the main
@@ -19,49 +19,43 @@ On a TPU (one process per chip) nothing changes: the levels are the process's ow
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 import threading
-from types import ModuleType
-from typing import Dict
+from typing import Callable, Dict, List
 
-from .. import _xla
-
-_LIBRARIES = ("transformers.utils.logging", "datasets.utils.logging")
+from .rendezvous import replicas_are_threads
 
 
-def drop_torch_xla_basic_config() -> None:
-    root = logging.getLogger()
-    if "torch_xla" not in sys.modules or root.level != logging.WARNING or len(root.handlers) != 1:
-        return
-    handler = root.handlers[0]
-    is_default = (
+def _is_torch_xla_basic_config(handler: logging.Handler) -> bool:
+    return (
         type(handler) is logging.StreamHandler
         and handler.stream is sys.stderr
         and handler.formatter is not None
         and handler.formatter._fmt == logging.BASIC_FORMAT
     )
-    if is_default:
-        root.removeHandler(handler)
 
 
-def per_thread_verbosity() -> None:
-    """Patch the verbosity setters of ``transformers`` and, once it is imported, ``datasets``."""
-    for name in _LIBRARIES:
-        if name.split(".")[0] in sys.modules or name.startswith("transformers"):
-            _patch_library(importlib.import_module(name))
+def without_torch_xla_basic_config(original: List[logging.Handler]) -> List[logging.Handler]:
+    """The patch of the root logger's ``handlers`` (patches.py): the list without the handler
+    ``import torch_xla``'s ``basicConfig()`` gave it, when that is still the only one and untouched
+    (the default format, the root at WARNING); otherwise the same handlers."""
+    root = logging.getLogger()
+    if "torch_xla" in sys.modules and root.level == logging.WARNING and len(original) == 1:
+        return [h for h in original if not _is_torch_xla_basic_config(h)]
+    return list(original)
 
 
-def _patch_library(module: ModuleType) -> None:
-    if getattr(module.set_verbosity, "accel_xla_fsdp", False):
-        return
+def per_thread_verbosity(original: Callable[[int], None]) -> Callable[[int], None]:
+    """The patch of ``transformers``' and ``datasets``' ``set_verbosity`` (patches.py):
+    ``original`` at the lowest level any live replica thread asked for, its handlers filtering
+    each record by the level of the thread that logged it."""
+    module = sys.modules[original.__module__]
     levels: Dict[int, int] = {}  # thread ident -> the verbosity it set
-    original = module.set_verbosity
     root = module._get_library_root_logger
 
     def set_verbosity(verbosity: int) -> None:
-        if not _xla.replicas_are_threads():
+        if not replicas_are_threads():
             return original(verbosity)
         alive = {t.ident for t in threading.enumerate()}
         for ident in [i for i in levels if i not in alive]:
@@ -73,8 +67,7 @@ def _patch_library(module: ModuleType) -> None:
                 handler.addFilter(_ThreadLevel(levels))
 
     set_verbosity.__doc__ = original.__doc__
-    set_verbosity.accel_xla_fsdp = True
-    module.set_verbosity = set_verbosity  # set_verbosity_info() and the others call it by this name
+    return set_verbosity  # set_verbosity_info() and the others call it by this name
 
 
 class _ThreadLevel(logging.Filter):

@@ -15,27 +15,16 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from .. import _xla
+from .rendezvous import replicas_are_threads
 
 
-def install() -> None:
-    """Patch ``transformers.masking_utils._ignore_causal_mask_sdpa`` (once per process)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # a transformers without it builds its masks otherwise
-        return
-    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
-    if original is None or getattr(original, "accel_xla_fsdp", False):
-        return
-    masking_utils._ignore_causal_mask_sdpa = _without_read_back(original)
+def without_read_back(original: Callable[..., bool]) -> Callable[..., bool]:
+    """The patch of ``transformers.masking_utils._ignore_causal_mask_sdpa`` (patches.py)."""
 
-
-def _without_read_back(original: Callable[..., bool]) -> Callable[..., bool]:
     @functools.wraps(original)
     def ignore_causal_mask_sdpa(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-        if padding_mask is not None and padding_mask.device.type == "xla" and _xla.replicas_are_threads():
+        if padding_mask is not None and padding_mask.device.type == "xla" and replicas_are_threads():
             return False  # what transformers answers while tracing
         return original(padding_mask, *args, **kwargs)
 
-    ignore_causal_mask_sdpa.accel_xla_fsdp = True
     return ignore_causal_mask_sdpa

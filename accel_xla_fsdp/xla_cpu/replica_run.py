@@ -17,7 +17,7 @@ thread that waits can be neither stopped nor told to stop from outside. So:
   that abort is said on stderr before it: replicas that come to one meeting from different
   places (their programs differ), and a replica that compiles a program of its own in its turn.
 
-Pure Python: ``_xla`` supplies the ranks.
+Pure Python: graph_boundaries.py supplies the ranks.
 """
 
 from __future__ import annotations

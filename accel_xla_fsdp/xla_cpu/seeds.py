@@ -17,8 +17,8 @@ default generator cannot be made per-thread, so:
   generator, and ``torch.get_rng_state``/``set_rng_state`` (Accelerate's ``save_state`` and
   ``load_state``) read and write it. A CPU generator with the same state gives the same numbers
   as the default one, so every replica draws what a process of its own seeded alike would.
-* A model built by ``from_config`` or ``from_pretrained`` (pretrained_loading.py) draws with the
-  process's generator holding the thread's state, under the lock that builds one model at a
+* A model built by ``from_config`` or ``from_pretrained`` (hf_accelerate/pretrained_loading.py) draws
+  with the process's generator holding the thread's state, under the lock that builds one model at a
   time, so draws inside C++ code are covered as well.
 
 Not covered: draws made inside C++ without a Python call (``F.dropout`` on CPU tensors: on XLA
@@ -36,14 +36,15 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from .. import _xla
+from .rendezvous import replicas_are_threads
 
 # One model is built at a time in the process (transformers 5's loading is not thread-safe
-# either: see pretrained_loading.py); seeding waits for a build in progress.
+# either: see hf_accelerate/pretrained_loading.py); seeding waits for a build in progress.
 BUILDING = threading.RLock()
 _own = threading.local()  # .generator: this replica thread's, once it seeded; .building: in a build
-_ROUTED_FUNCTIONS = ("bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm")
-_ROUTED_METHODS = (
+# What the patch table (patches.py) routes to the thread's generator: torch functions, Tensor methods.
+ROUTED_FUNCTIONS = ("bernoulli", "multinomial", "normal", "poisson", "rand", "randn", "randint", "randperm")
+ROUTED_METHODS = (
     "bernoulli",
     "bernoulli_",
     "cauchy_",
@@ -55,21 +56,11 @@ _ROUTED_METHODS = (
     "random_",
     "uniform_",
 )
-_originals: Dict[str, Callable[..., Any]] = {}
-
-
-def install() -> None:
-    """Patch torch's seeding, state and random functions (once per process)."""
-    if getattr(torch.manual_seed, "accel_xla_fsdp", False):
-        return
-    _originals.update(get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state)
-    torch.manual_seed = torch.random.manual_seed = _own_seed(torch.manual_seed)
-    torch.get_rng_state = torch.random.get_rng_state = _own_get_state(torch.get_rng_state)
-    torch.set_rng_state = torch.random.set_rng_state = _own_set_state(torch.set_rng_state)
-    for name in _ROUTED_FUNCTIONS:
-        setattr(torch, name, _routed(getattr(torch, name)))
-    for name in _ROUTED_METHODS:
-        setattr(torch.Tensor, name, _routed(getattr(torch.Tensor, name)))
+# torch's own state functions, recorded when patched (thread_generator uses them)
+_originals: Dict[str, Callable[..., Any]] = {
+    "get_rng_state": torch.get_rng_state,
+    "set_rng_state": torch.set_rng_state,
+}
 
 
 def thread_state_generator() -> Optional[torch.Generator]:
@@ -79,20 +70,24 @@ def thread_state_generator() -> Optional[torch.Generator]:
     return getattr(_own, "generator", None)
 
 
-def _own_seed(original: Callable[[int], Any]) -> Callable[[int], Any]:
+def own_seed(original: Callable[[int], Any]) -> Callable[[int], Any]:
+    """The patch of ``torch.manual_seed``: a replica thread seeds a generator of its own too."""
+
     @functools.wraps(original)
     def manual_seed(seed: int) -> Any:
-        if not _xla.replicas_are_threads():
+        if not replicas_are_threads():
             return original(seed)
         with BUILDING:  # not while a build holds the process's generator
             _own.generator = torch.Generator().manual_seed(int(seed))
             return original(seed)
 
-    manual_seed.accel_xla_fsdp = True
     return manual_seed
 
 
-def _own_get_state(original: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def own_get_state(original: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The patch of ``torch.get_rng_state``: the replica thread's own state, once it seeded."""
+    _originals["get_rng_state"] = original
+
     @functools.wraps(original)
     def get_rng_state() -> torch.Tensor:
         own = thread_state_generator()
@@ -101,7 +96,10 @@ def _own_get_state(original: Callable[[], torch.Tensor]) -> Callable[[], torch.T
     return get_rng_state
 
 
-def _own_set_state(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+def own_set_state(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """The patch of ``torch.set_rng_state``: the replica thread's own state, once it seeded."""
+    _originals["set_rng_state"] = original
+
     @functools.wraps(original)
     def set_rng_state(new_state: torch.Tensor) -> None:
         own = thread_state_generator()
@@ -113,7 +111,7 @@ def _own_set_state(original: Callable[[torch.Tensor], None]) -> Callable[[torch.
     return set_rng_state
 
 
-def _routed(original: Callable[..., Any]) -> Callable[..., Any]:
+def routed(original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` drawing from the calling replica thread's generator when it has one, the call
     names no generator (or ``generator=None``, as the collators and the dataloader pass) and the
     result lives on the CPU."""

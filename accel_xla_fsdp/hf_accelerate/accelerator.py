@@ -13,8 +13,8 @@ What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
 - Dataloaders are iterated in the replica's own thread (``XlaDataLoader``), not read ahead by
   torch_xla's loader thread, which made replicas disagree on where accumulation ends.
 - ``gather``, ``reduce``, ``pad_across_processes`` and the shuffling seed work on XLA:CPU replica
-  threads (replica_threads.py); ``wait_for_everyone`` and ``main_process_first`` do through
-  _xla.py's rendezvous. On a TPU, Accelerate's own forms run.
+  threads (xla_cpu/host_collectives.py); ``wait_for_everyone`` and ``main_process_first`` do through
+  xla_cpu/rendezvous.py. On a TPU, Accelerate's own forms run.
 - ``save_state`` / ``load_state`` write and read sharded checkpoints (checkpoints.py);
   ``get_state_dict``, ``unwrap_model`` and ``save_model`` give the whole model.
 """
@@ -37,7 +37,9 @@ from ..checkpointing import checkpoint_module
 from ..construction import FlatShardKey
 from ..fsdp import XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
-from . import checkpoints, launch, pretrained_loading, replica_threads, script_logging
+from ..xla_cpu import host_collectives
+from ..xla_cpu.rendezvous import agree, broadcast_from_rank0_, replicas_are_threads
+from . import checkpoints, launch, pretrained_loading
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin
 from .unwrapped_generate import route_generate
@@ -85,7 +87,6 @@ class Accelerator(accelerate.Accelerator):
             )
         launch.check_device_count(self.num_processes)
         _set_local_process_index(self.state)
-        script_logging.per_thread_verbosity()  # datasets' too, if the script imported it since
         # id of a prepared model's own parameter -> its name, and the shard holding it
         self._unwrapped_names: Dict[int, str] = {}
         self._shard_of: Dict[int, nn.Parameter] = {}
@@ -129,9 +130,9 @@ class Accelerator(accelerate.Accelerator):
         if plugin.sync_module_states and self.num_processes > 1 and source is not None:
             pretrained_loading.share_rank0_real_tensors(model, self.device)
         elif plugin.sync_module_states and self.num_processes > 1:
-            if not _xla.replicas_are_threads():
+            if not replicas_are_threads():
                 model.to(self.device)  # torch_xla's broadcast runs on the device
-            _xla.broadcast_from_rank0_([*model.parameters(), *model.buffers()])
+            broadcast_from_rank0_([*model.parameters(), *model.buffers()])
         blocks = _take_over_gradient_checkpointing(model)
         wrapped = plugin.wrap(
             model,
@@ -183,7 +184,7 @@ class Accelerator(accelerate.Accelerator):
         for model in self._models:
             if isinstance(model, XlaFullyShardedDataParallel) and wanted == {id(p) for p in model.parameters()}:
                 norm = model.clip_grad_norm_(max_norm, norm_type)
-                if _xla.replicas_are_threads():
+                if replicas_are_threads():
                     # Scripts log the norm with .item(). Read back now, the step's program (its
                     # collectives too) would run outside the turns at graph boundaries, every
                     # replica compiling it at once: under load they reached its first collective
@@ -198,16 +199,16 @@ class Accelerator(accelerate.Accelerator):
     # -- collectives ---------------------------------------------------------------------------
 
     def gather(self, tensor: Any) -> Any:
-        return replica_threads.gather(tensor) if _xla.replicas_are_threads() else super().gather(tensor)
+        return host_collectives.gather(tensor) if replicas_are_threads() else super().gather(tensor)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        if _xla.replicas_are_threads():
-            return replica_threads.reduce(tensor, reduction, scale)
+        if replicas_are_threads():
+            return host_collectives.reduce(tensor, reduction, scale)
         return super().reduce(tensor, reduction, scale)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        if _xla.replicas_are_threads():
-            return replica_threads.pad_across_processes(tensor, dim, pad_index, pad_first)
+        if replicas_are_threads():
+            return host_collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
         return super().pad_across_processes(tensor, dim, pad_index, pad_first)
 
     # -- whole model -----------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class Accelerator(accelerate.Accelerator):
         every replica (Accelerate's GPU FSDP gives it on the main process only): call it on every
         replica."""
         if isinstance(model, XlaFullyShardedDataParallel):
-            _xla.agree("get_state_dict")
+            agree("get_state_dict")
             return model.model_state_dict()
         return super().get_state_dict(model, unwrap)
 
@@ -241,7 +242,7 @@ class Accelerator(accelerate.Accelerator):
         if os.path.isfile(save_directory):  # as Accelerate's: said, and nothing saved (on every replica alike)
             logger.error(f"Provided path ({save_directory}) should be a directory, not a file")
             return
-        _xla.agree("save_model")
+        agree("save_model")
         state = model.model_state_dict()
         # As Accelerate's does (huggingface_hub's writer, for a model without save_pretrained, does not).
         os.makedirs(save_directory, exist_ok=True)
@@ -368,7 +369,7 @@ class XlaDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self.rng_types:
-            share = replica_threads.share_rng_states if _xla.replicas_are_threads() else synchronize_rng_states
+            share = host_collectives.share_rng_states if replicas_are_threads() else synchronize_rng_states
             share(self.rng_types, self.shard.synchronized_generator)
         batches = iter(self.shard)
         for _ in range(self.skip_batches):
