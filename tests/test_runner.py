@@ -10,6 +10,7 @@ pool's process is killed and the test fails.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -139,6 +140,11 @@ def sigkill_self(rank: int) -> None:
     x = torch.zeros(2).to(_xla.device())
     _xla.all_gather(x, None, False)
     _xla.sync()
+
+
+def segfault_in_replica_1(rank: int) -> None:
+    if rank == 1:
+        ctypes.string_at(0)  # reads address 0: a SIGSEGV in this replica's thread
 
 
 class TwoArgError(Exception):
@@ -322,6 +328,21 @@ def test_dead_pool_process_raises_replica_error_naming_the_cause(pools, devices:
     assert isinstance(error, ReplicaError), f"{type(error).__name__}: {error}"
     assert named in str(error)
     assert elapsed < PROMPT_S, f"the death took {elapsed:.1f} s to surface"
+
+
+def test_replica_dying_of_sigsegv_prints_native_then_python_stacks(capfd) -> None:
+    """The SIGSEGV seen inside torch_xla in replica threads is not understood (docs/xla-cpu.md):
+    the device process prints every thread's native stack, then faulthandler's Python stacks."""
+    with DevicePool(2) as pool:
+        with pytest.raises(ReplicaError, match="signal SIGSEGV"):
+            pool.run(segfault_in_replica_1)
+    err = capfd.readouterr().err
+    native = err.find("SIGSEGV(11), PID:")
+    assert native >= 0, err[-4000:]
+    assert "c10::FatalSignalHandler::fatalSignalHandler" in err[native:], err[native:][:4000]
+    python = err.find("Fatal Python error: Segmentation fault", native)
+    assert python > native, err[-4000:]
+    assert "in segfault_in_replica_1" in err[python:], err[python:][:4000]
 
 
 def test_replica_exception_that_does_not_unpickle(pools) -> None:

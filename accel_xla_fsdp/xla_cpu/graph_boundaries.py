@@ -23,10 +23,14 @@ imports this module to unpickle the runner, before any replica starts.
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from .. import _xla
 from . import replica_run
@@ -193,6 +197,37 @@ def begin_replica_run() -> None:
         callback()
     _xla.clear_channel_ids()  # and numbers its collectives afresh, whatever an earlier run left traced
     replica_run.begin_run()
+    if _xla.on_cpu():
+        _print_native_stacks_on_crash()
+
+
+_native_stacks = False
+_SIGACTION_BYTES = 256  # room for the C library's struct sigaction (152 bytes on x86_64 and aarch64)
+
+
+def _print_native_stacks_on_crash() -> None:
+    """On a SIGSEGV (also SIGBUS, SIGILL, SIGFPE), every thread's native stack on stderr, then
+    faulthandler's Python stacks (``replica_run.begin_run``): PyTorch's handler, installed after
+    faulthandler, calls it.
+
+    Replica threads on XLA:CPU have died of a SIGSEGV inside torch_xla, rarely and not reproduced
+    (docs/xla-cpu.md): Python stacks alone do not say where. PyTorch's handler also takes SIGABRT
+    and SIGINT, which keep the handlers they had: XLA:CPU's abort at a collective hits several
+    replicas at once, and only faulthandler's dump comes out whole then; Ctrl-C stays Python's.
+    Once per process, on Linux, and kept (a signal handler, as faulthandler's, not a name in the
+    patch table).
+    """
+    global _native_stacks
+    if _native_stacks or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    kept = {sig: ctypes.create_string_buffer(_SIGACTION_BYTES) for sig in (signal.SIGABRT, signal.SIGINT)}
+    for sig, action in kept.items():
+        libc.sigaction(sig, None, action)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
+    for sig, action in kept.items():
+        libc.sigaction(sig, action, None)
+    _native_stacks = True
 
 
 class _FailFast:
