@@ -88,8 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=CONSOLIDATE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    c.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="the checkpoint directory (holding checkpoint.json)")
-    c.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
+    c.add_argument(
+        "checkpoint_dir",
+        metavar="CKPT_DIR",
+        help="the checkpoint directory given to save_sharded (a path or a URL: s3://, gs://, ...)",
+    )
+    c.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created; or a URL)")
     _add_output_options(c)
     c.add_argument(
         "--optimizer",

@@ -44,14 +44,18 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("construction",),
     ("fsdp",),
     # checkpoints
+    ("checkpoint.errors",),
+    ("checkpoint.files",),
+    ("checkpoint.store",),
     ("checkpoint.format",),
-    ("checkpoint.files", "checkpoint.torch_xla_files", "checkpoint.pretrained"),
+    ("checkpoint.torch_xla_files", "checkpoint.pretrained"),
     ("checkpoint.consolidate", "checkpoint.sharded"),
     ("checkpoint",),
     # the Accelerate room
     ("hf_accelerate.plugin",),
     ("hf_accelerate.launch", "hf_accelerate.optimizer"),
     ("hf_accelerate.pretrained_loading", "hf_accelerate.checkpoints", "hf_accelerate.unwrapped_generate"),
+    ("hf_accelerate.bucket_state",),
     ("hf_accelerate.accelerator",),
     ("hf_accelerate",),
     # the Trainer room (may import the Accelerate room, not the reverse)

@@ -82,6 +82,14 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ("test_checkpoint.py::test_truncated_rank_file_is_named", "bad checkpoints named"),
     ("test_checkpoint_safety.py::test_malformed_metadata_is_refused_by_file_and_field", "untrusted metadata"),
     ("test_consolidate.py::test_from_pretrained_loads_the_trained_model[tied]", "checkpoint/consolidate.py"),
+    (
+        "test_checkpoint_store.py::test_transient_failures_are_retried_and_permanent_ones_end_the_save",
+        "checkpoint/store.py: URLs, retries, the per-save record (memory filesystem, no server)",
+    ),
+    (
+        "test_checkpoint_store.py::test_accelerate_save_state_load_state_and_save_model_in_a_bucket",
+        "hf_accelerate/bucket_state.py: save_state in an S3 bucket (moto's server)",
+    ),
     ("test_consolidate.py::test_bad_arguments", "cli.py, in process"),
     ("test_consolidate.py::test_console_script_fails_cleanly", "__main__.py: python -m accel_xla_fsdp"),
     (

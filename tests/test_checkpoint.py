@@ -34,6 +34,7 @@ from accel_xla_fsdp import (
 )
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp.checkpoint import sharded
+from accel_xla_fsdp.checkpoint.format import find_saves
 
 LAYOUTS = {"flat": {"flatten_parameters": True}, "per-parameter": {}, "dim0": {"shard_param_on_dim_0": True}}
 BEFORE, AFTER = 2, 2
@@ -138,7 +139,7 @@ def test_resharding_to_another_world_size_and_layout(
 
 def test_rank_files_are_plain_safetensors_with_their_layout(pools, tmp_path) -> None:
     pools[2].run(save_then_train, 2, "tied_transformer", "flat", str(tmp_path), False)
-    record = json.loads((tmp_path / "checkpoint.json").read_text())
+    record = record_of(tmp_path)
     assert record["world_size"] == 2 and len(record["files"]) == 2
     with safe_open(str(tmp_path / record["files"][1]), framework="pt") as f:
         meta = json.loads(f.metadata()["accel_xla_fsdp"])
@@ -162,14 +163,10 @@ def save_twice_dying(rank: int, world: int, directory: str, where: str) -> None:
     save_sharded(model, optimizer, directory)
     train(model, optimizer, "llama", rank, world, range(1, 2))
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    if where == "writing":
-        real = sharded.save_file
-        sharded.save_file = lambda t, path, metadata: (
-            real(t, path, metadata=metadata),
-            Path(path).write_bytes(Path(path).read_bytes()[:100]),
-            die(),
-        )
-    else:  # every rank file of the new save written, the record not yet replaced
+    if where == "writing":  # rank files partly written
+        real = sharded.write_rank_file
+        sharded.write_rank_file = lambda f, *args: (real(f, *args), f.flush(), f.truncate(100), die())
+    else:  # every rank file of the new save written, the record not yet
         sharded._commit = die
     save_sharded(model, optimizer, directory)
 
@@ -195,7 +192,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(pools, tmp_path, wh
     want = pools[2].run(state_after_one_step, 2)[0]
     for k, v in want.items():
         assert torch.equal(loaded[k], v), k
-    assert json.loads((tmp_path / "checkpoint.json").read_text())["save_id"] == "save-000000"
+    assert record_of(tmp_path)["save_id"] == "save-000000"
+    assert find_saves(tmp_path).incomplete == ("save-000001",)  # skipped, named
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +216,8 @@ def copy_of(saved: Path, tmp_path: Path) -> Path:
 
 
 def record_of(directory: Path) -> Dict[str, Any]:
-    return json.loads((directory / "checkpoint.json").read_text())
+    """The newest complete save's record (``save-<n>/checkpoint.json``)."""
+    return json.loads(find_saves(directory).record_path.as_path().read_text())
 
 
 def test_missing_rank_file_is_named(saved, tmp_path) -> None:
@@ -239,8 +238,10 @@ def test_truncated_rank_file_is_named(saved, tmp_path) -> None:
 def test_files_of_another_save_are_refused(saved, tmp_path) -> None:
     d = copy_of(saved, tmp_path)
     record = record_of(d)
+    (d / "save-000000").rename(d / "save-000007")  # its record and files, under another save's name
     record["save_id"] = "save-000007"
-    (d / "checkpoint.json").write_text(json.dumps(record))
+    record["files"] = [f.replace("save-000000", "save-000007") for f in record["files"]]
+    (d / "save-000007" / "checkpoint.json").write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match="files of different saves are mixed"):
         ShardedCheckpoint(d)
 

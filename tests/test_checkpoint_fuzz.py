@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 from safetensors.torch import load_file
+from stores import record_file
 from test_checkpoint_safety import torch_xla_files, two_runs
 
 from accel_xla_fsdp import CheckpointError, consolidate
@@ -171,7 +172,7 @@ def header_json(path: Path) -> Dict[str, Any]:
 
 def mutate_checkpoint(rng: random.Random, ckpt: Path) -> str:
     """One random mutation of one file of ``ckpt`` (in place); returns what was done."""
-    record = ckpt / "checkpoint.json"
+    record = record_file(ckpt)
     files = [ckpt / f for f in json.loads(record.read_text())["files"]]
     path = rng.choice(files)
     kind = rng.choice(

@@ -25,11 +25,12 @@ import torch
 from models import build, compute_loss, global_batch, local_slice, wrap
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from stores import record_file
 
 from accel_xla_fsdp import CheckpointError, ReplicaError, ShardedCheckpoint, _xla, cli, load_sharded, save_sharded
 from accel_xla_fsdp.checkpoint import sharded
 from accel_xla_fsdp.checkpoint.files import current_umask
-from accel_xla_fsdp.checkpoint.format import read_header
+from accel_xla_fsdp.checkpoint.format import find_saves, read_header
 from accel_xla_fsdp.param_group import shard_param_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ def copy_of(ckpt: Path, tmp_path: Path, name: str = "ckpt") -> Path:
 
 
 def rank_file(ckpt: Path, rank: int) -> Path:
-    return ckpt / json.loads((ckpt / "checkpoint.json").read_text())["files"][rank]
+    return ckpt / json.loads(record_file(ckpt).read_text())["files"][rank]
 
 
 def snapshot(folder: Path) -> Dict[str, bytes]:
@@ -347,7 +348,7 @@ def test_save_state_through_a_symlink_to_another_filesystem_and_into_a_mount_poi
     link.symlink_to(shm_dir / "state", target_is_directory=True)
     pools[2].run(accelerate_round, 2, str(link), 1)
     second = pools[2].run(accelerate_round, 2, str(link), 2)[0]
-    assert link.is_symlink() and (shm_dir / "state" / "xla_fsdp_0" / "checkpoint.json").is_file()
+    assert link.is_symlink() and record_file(shm_dir / "state" / "xla_fsdp_0").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"] and sorted(os.listdir(shm_dir)) == ["state"]
     assert_is_state(pools[2].run(accelerate_loaded, 2, str(link))[0], second)
     mount = tmp_path / "volume"
@@ -444,19 +445,20 @@ def test_malformed_metadata_is_refused_by_file_and_field(runs, tmp_path, capsys,
 
 def test_a_record_listing_fewer_files_than_the_world(runs, tmp_path, capsys) -> None:
     ckpt = copy_of(runs["one"], tmp_path)
-    record = json.loads((ckpt / "checkpoint.json").read_text())
+    path = record_file(ckpt)
+    record = json.loads(path.read_text())
     record["files"] = record["files"][:1]
-    (ckpt / "checkpoint.json").write_text(json.dumps(record))
+    path.write_text(json.dumps(record))
     err = run_cli(capsys, "consolidate", str(ckpt), str(tmp_path / "out"))
-    assert f"{ckpt / 'checkpoint.json'}: lists 1 rank files for a world of 2" in err
+    assert f"{path}: lists 1 rank files for a world of 2" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_a_record_naming_a_path_outside_the_checkpoint(runs, tmp_path, capsys) -> None:
     ckpt = copy_of(runs["one"], tmp_path)
-    record = json.loads((ckpt / "checkpoint.json").read_text())
+    record = json.loads(record_file(ckpt).read_text())
     record["files"][1] = "../../etc/passwd"
-    (ckpt / "checkpoint.json").write_text(json.dumps(record))
+    record_file(ckpt).write_text(json.dumps(record))
     err = run_cli(capsys, "consolidate", str(ckpt), str(tmp_path / "out"))
     assert "files[1]: expected a path like 'save-000000/rank-00001-of-00002.safetensors'" in err
 
@@ -666,20 +668,16 @@ def save_killed(rank: int, world: int, directory: str, point: str) -> None:
     save_sharded(model, optimizer, directory)
     train(model, optimizer, rank, world, range(1, 2))
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    if point == "listing the new folder":  # the record lists it, the folder is not made yet
-        real = sharded._write_record
-        sharded._write_record = lambda root, record: (real(root, record), die())
-    elif point == "writing rank files":  # a partial temporary file of rank 1's
-        real = sharded.save_file
-        sharded.save_file = lambda t, path, metadata: (
-            real(t, path, metadata=metadata),
-            Path(path).write_bytes(Path(path).read_bytes()[:100]),
-            die(),
-        )
-    elif point == "before the commit":  # every rank file written
+    if point == "marking the new folder":  # the marker written, no rank file yet
+        real = sharded._mark
+        sharded._mark = lambda *args: (real(*args), die())
+    elif point == "writing rank files":  # rank files partly written
+        real_write = sharded.write_rank_file
+        sharded.write_rank_file = lambda f, *args: (real_write(f, *args), f.flush(), f.truncate(100), die())
+    elif point == "before the commit":  # every rank file written and confirmed
         sharded._commit = die
-    elif point == "after the commit":  # committed, the older folder not removed yet
-        sharded.remove_tree = die
+    elif point == "after the commit":  # committed, the older save not removed yet
+        sharded._remove_save = die
     save_sharded(model, optimizer, directory)
 
 
@@ -699,7 +697,7 @@ def state_after(rank: int, world: int, steps: int) -> Dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "point", ["listing the new folder", "writing rank files", "before the commit", "after the commit"]
+    "point", ["marking the new folder", "writing rank files", "before the commit", "after the commit"]
 )
 def test_a_killed_save_leaves_the_checkpoint_and_the_next_save_no_stray_files(pools, tmp_path, point: str) -> None:
     ckpt = tmp_path / "ckpt"
@@ -709,15 +707,19 @@ def test_a_killed_save_leaves_the_checkpoint_and_the_next_save_no_stray_files(po
     (best / ".rank-00000-of-00002.safetensors.tmp-1").write_text("the user's")
     with pytest.raises(ReplicaError, match="SIGKILL"):
         pools[2].run(save_killed, 2, str(ckpt), point)
-    committed = json.loads((ckpt / "checkpoint.json").read_text())["save_id"]
+    found = find_saves(ckpt)
+    committed = found.record.save_id
     assert committed == ("save-000001" if point == "after the commit" else "save-000000")
+    assert found.incomplete == (() if point == "after the commit" else ("save-000001",))  # skipped, named
     loaded = pools[2].run(load_then_save, 2, str(ckpt))[0]  # the checkpoint is whole; save again
     assert_is_state(loaded, pools[2].run(state_after, 2, 2 if point == "after the commit" else 1)[0])
-    record = json.loads((ckpt / "checkpoint.json").read_text())
-    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["checkpoint.json", "save-best", record["save_id"]])
-    assert record["saves"] == [record["save_id"]] and record["save_id"] > committed
+    record = json.loads(record_file(ckpt).read_text())
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["save-best", record["save_id"]])
+    assert record["save_id"] > committed
     assert sorted(p.name for p in (ckpt / record["save_id"]).iterdir()) == [
-        f"rank-0000{r}-of-00002.safetensors" for r in range(2)
+        "checkpoint.json",
+        *[f"rank-0000{r}-of-00002.safetensors" for r in range(2)],
+        "started.json",
     ]
     assert [p.name for p in best.iterdir()] == [".rank-00000-of-00002.safetensors.tmp-1"]
 
@@ -801,8 +803,8 @@ def test_a_killed_consolidation_leaves_the_old_model_and_the_next_one_no_stray_f
 
 
 def as_format_1(ckpt: Path) -> None:
-    """``ckpt`` rewritten as the previous version wrote it: no token, no checksums, no saves list."""
-    record = json.loads((ckpt / "checkpoint.json").read_text())
+    """``ckpt`` rewritten as version 1 wrote it: no token, no checksums, one record at the top."""
+    record = json.loads(record_file(ckpt).read_text())
     for name in record["files"]:
 
         def old(raw: Dict[str, Any]) -> None:
@@ -810,6 +812,8 @@ def as_format_1(ckpt: Path) -> None:
             del raw["token"], raw["checksums"]
 
         edit_meta(ckpt / name, old)
+    record_file(ckpt).unlink()
+    (ckpt / record["save_id"] / "started.json").unlink()
     record = {"format": "accel-xla-fsdp/1", **{k: record[k] for k in ("save_id", "world_size", "files")}}
     (ckpt / "checkpoint.json").write_text(json.dumps(record))
 
@@ -823,6 +827,6 @@ def test_format_1_checkpoints_are_read_and_saved_over(pools, runs, tmp_path) -> 
     (ckpt / "save-best").mkdir()
     loaded = pools[2].run(load_then_save, 2, str(ckpt))[0]  # a format-2 save over it
     assert_is_state(loaded, runs["state"])
-    record = json.loads((ckpt / "checkpoint.json").read_text())
+    record = json.loads(record_file(ckpt).read_text())
     assert record["format"] == "accel-xla-fsdp/2" and record["save_id"] == "save-000001"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint.json", "save-000001", "save-best"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["save-000001", "save-best"]

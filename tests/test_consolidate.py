@@ -24,6 +24,7 @@ import torch
 from models import LLAMA_CONFIG, compute_loss, global_batch, local_slice, wrap
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from stores import record_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from accel_xla_fsdp import _xla, cli, consolidate, load_sharded, save_sharded, seeded
@@ -267,7 +268,7 @@ def copy_of(run: Run, tmp_path: Path) -> Path:
 
 
 def rank_file(ckpt: Path, rank: int) -> Path:
-    return ckpt / json.loads((ckpt / "checkpoint.json").read_text())["files"][rank]
+    return ckpt / json.loads(record_file(ckpt).read_text())["files"][rank]
 
 
 def assert_refused(capsys, tmp_path: Path, ckpt: Path, *options: str, says: List[str], out: Path = None) -> None:

@@ -159,7 +159,7 @@ def test_checkpoints_rotate_and_hold_the_sharded_state(runs) -> None:
     expected = {"xla_fsdp_0", "trainer_state.json", "scheduler.pt", "training_args.bin", "config.json"}
     assert expected | {f"rng_state_{r}.pth" for r in range(4)} <= files, sorted(files)
     assert not files & {"optimizer.pt", "model.safetensors"}, "no rank-0-only optimizer, no whole model per checkpoint"
-    assert (xla_out / "checkpoint-6" / "xla_fsdp_0" / "checkpoint.json").is_file()
+    assert (xla_out / "checkpoint-6" / "xla_fsdp_0" / "save-000000" / "checkpoint.json").is_file()
 
 
 def test_save_model_writes_what_from_pretrained_loads(runs) -> None:
@@ -179,7 +179,7 @@ def test_resume_on_the_same_replicas_is_bit_exact(runs, tmp_path) -> None:
     shutil.rmtree(out / "checkpoint-8")
     shutil.copytree(out / "checkpoint-6", out / "checkpoint-8")
     (out / "checkpoint-8" / "trainer_state.json").unlink()
-    (out / "checkpoint-8" / "xla_fsdp_0" / "checkpoint.json").unlink()
+    next((out / "checkpoint-8" / "xla_fsdp_0").glob("save-*/checkpoint.json")).unlink()
     resumed = launch(tmp_path / "run.json", runs["tmp"] / "model", out, "--resume", "last")
     for key in ("loss", "grad_norm", "eval_loss"):
         assert by_step(resumed, key) == by_step(runs["xla"], key), key

@@ -46,11 +46,11 @@ def no_sharded_dir(folder: Path) -> None:
 
 
 def no_record(folder: Path) -> None:
-    (folder / "xla_fsdp_0" / "checkpoint.json").unlink()
+    (folder / "xla_fsdp_0" / "save-000000" / "checkpoint.json").unlink()
 
 
 def a_rank_file_missing(folder: Path) -> None:
-    record = json.loads((folder / "xla_fsdp_0" / "checkpoint.json").read_text())
+    record = json.loads((folder / "xla_fsdp_0" / "save-000000" / "checkpoint.json").read_text())
     (folder / "xla_fsdp_0" / record["files"][1]).unlink()
 
 

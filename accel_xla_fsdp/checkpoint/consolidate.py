@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import struct
+import tempfile
 import threading
 import uuid
 from contextlib import contextmanager
@@ -59,6 +60,7 @@ from .format import (
     ShardedCheckpoint,
     torch_dtype,
 )
+from .store import Location
 from .torch_xla_files import TorchXlaCheckpoint
 
 WEIGHTS_NAME = "model.safetensors"
@@ -154,8 +156,10 @@ def write_hf_layout(
     overwrite: bool,
     progress: bool,
 ) -> Path:
-    """The Hugging Face layout of ``ckpt`` (a ``ShardedCheckpoint`` or ``TorchXlaCheckpoint``)."""
-    out = Path(output_dir)
+    """The Hugging Face layout of ``ckpt`` (a ``ShardedCheckpoint`` or ``TorchXlaCheckpoint``), in
+    a local folder (returned as a ``Path``) or a bucket (a ``Location``)."""
+    target = Location.of(output_dir)
+    out = Path(target.path)
     limit = parse_max_shard_size(max_shard_size)
     cast = parse_dtype(dtype)
     model = ModelInfo.from_config(config) if config is not None else None
@@ -184,6 +188,10 @@ def write_hf_layout(
     written = set(files) | set(extra)
     if model is not None:
         written |= {CONFIG_NAME} | ({GENERATION_CONFIG_NAME} if model.generation_config else set())
+    floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
+    if not target.local:
+        write_to_store(ckpt, target, files, extra, model, floats[0] if floats else None, overwrite, progress)
+        return target
     check_output_dir(out, written, overwrite)
     total = sum(t.nbytes for ts in files.values() for t in ts)
     check_writable(out, "the model")
@@ -200,7 +208,6 @@ def write_hf_layout(
             for name, text in extra.items():
                 (stage / name).write_text(text)
             if model is not None:
-                floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
                 model.write_config(stage, floats[0] if floats else None)
             verifier.finish()
         finally:
@@ -523,45 +530,121 @@ def write_safetensors(
     A piece in the dtype written goes from the rank file's memory map to the output file without
     a copy; one to cast is copied into a buffer reused for every piece. ``check`` runs after
     every piece (the checksum verifier's verdict so far)."""
+    with open(path, "wb", buffering=0) as f:
+        write_safetensors_to(f, path, tensors, budget, bar, chunk_bytes, check)
+
+
+def write_safetensors_to(
+    f: Any,
+    path: Any,
+    tensors: Sequence[OutTensor],
+    budget: ReadBudget,
+    bar: Any,
+    chunk_bytes: int = CHUNK_BYTES,
+    check: Callable[[], None] = lambda: None,
+) -> int:
+    """``write_safetensors`` into an open file (local, or one being uploaded); returns its size."""
     header = safetensors_header(tensors)
     casts: Dict[torch.dtype, torch.Tensor] = {}
-    with open(path, "wb", buffering=0) as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for t in tensors:
-            step = max(1, chunk_bytes // t.dtype.itemsize)
-            for start in range(0, t.numel, step):
-                stop = min(t.numel, start + step)
-                done = 0
-                for piece in t.read(start, stop):
-                    piece = piece.reshape(-1)
-                    if piece.dtype == t.dtype:
-                        data = piece.contiguous()
-                    else:
-                        if t.dtype not in casts or casts[t.dtype].numel() < piece.numel():
-                            casts[t.dtype] = torch.empty(max(step, piece.numel()), dtype=t.dtype)
-                        data = casts[t.dtype][: piece.numel()]
-                        data.copy_(piece)
-                    if data.numel():
-                        _write_all(f, data.view(torch.uint8).numpy().data)
-                    done += piece.numel()
-                    bar.update(data.numel() * t.dtype.itemsize)
-                    budget.add(piece.numel() * piece.dtype.itemsize)
-                    del piece, data
-                    check()
-                if done != stop - start:
-                    raise CheckpointError(
-                        f"{t.name}: elements [{start}, {stop}) read as {done}: the rank files hold fewer than their "
-                        "metadata says"
-                    )
-        expected = 8 + len(header) + sum(t.nbytes for t in tensors)
-        if f.tell() != expected:
-            raise CheckpointError(f"{path}: wrote {f.tell()} bytes, expected {expected}")
+    written = 0
+    f.write(struct.pack("<Q", len(header)))
+    f.write(header)
+    for t in tensors:
+        step = max(1, chunk_bytes // t.dtype.itemsize)
+        for start in range(0, t.numel, step):
+            stop = min(t.numel, start + step)
+            done = 0
+            for piece in t.read(start, stop):
+                piece = piece.reshape(-1)
+                if piece.dtype == t.dtype:
+                    data = piece.contiguous()
+                else:
+                    if t.dtype not in casts or casts[t.dtype].numel() < piece.numel():
+                        casts[t.dtype] = torch.empty(max(step, piece.numel()), dtype=t.dtype)
+                    data = casts[t.dtype][: piece.numel()]
+                    data.copy_(piece)
+                if data.numel():
+                    _write_all(f, data.view(torch.uint8).numpy().data)
+                    written += data.numel() * t.dtype.itemsize
+                done += piece.numel()
+                bar.update(data.numel() * t.dtype.itemsize)
+                budget.add(piece.numel() * piece.dtype.itemsize)
+                del piece, data
+                check()
+            if done != stop - start:
+                raise CheckpointError(
+                    f"{t.name}: elements [{start}, {stop}) read as {done}: the rank files hold fewer than their "
+                    "metadata says"
+                )
+    expected = 8 + len(header) + sum(t.nbytes for t in tensors)
+    if 8 + len(header) + written != expected:
+        raise CheckpointError(f"{path}: wrote {8 + len(header) + written} bytes, expected {expected}")
+    return expected
 
 
 def _write_all(f: Any, view: memoryview) -> None:
     while len(view):  # an unbuffered write may write less than asked
-        view = view[f.write(view) :]
+        n = f.write(view)
+        view = view[len(view) if n is None else n :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Into a bucket
+#
+# A bucket has no rename, so the files are written straight into OUT (each one upload, whole or
+# not there): the weight shards, the optimizer files and the config first, then the file a
+# loader starts from (the index, or ``model.safetensors``) last, once the checksums have found
+# nothing. A consolidation that fails or is killed leaves no index or ``model.safetensors``:
+# nothing that loads. A bucket location that already holds a model is refused, --overwrite or
+# not (its files would be replaced one by one): consolidate into a new location.
+
+
+def write_to_store(
+    ckpt: Any,
+    out: Location,
+    files: Dict[str, List[OutTensor]],
+    extra: Dict[str, str],
+    model: Optional[ModelInfo],
+    dtype: Optional[torch.dtype],
+    overwrite: bool,
+    progress: bool,
+) -> None:
+    present = [n for n in out.names() if _MODEL_FILE.fullmatch(n)]
+    if present:
+        raise CheckpointError(
+            f"{out}: already holds a model ({', '.join(present[:4])}); a model in a bucket is not replaced "
+            f"{'even with --overwrite ' if overwrite else ''}(it has no rename to do it all at once): consolidate "
+            "into a new location"
+        )
+    last = WEIGHTS_INDEX_NAME if WEIGHTS_INDEX_NAME in extra else WEIGHTS_NAME
+    total = sum(t.nbytes for ts in files.values() for t in ts)
+    verifier = Verifier(ckpt, _to_verify(ckpt, model is not None, OPTIMIZER_NAME in files))
+    budget = ReadBudget(ckpt)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", disable=not progress)
+    with bar:
+        verifier.start()
+        try:
+            for name, tensors in sorted(files.items(), key=lambda item: item[0] == last):
+                target = out / name
+
+                def write(f: Any, target: Location = target, tensors: List[OutTensor] = tensors, name: str = name):
+                    write_safetensors_to(f, target, tensors, budget, bar, check=verifier.check)
+                    if name == last:
+                        verifier.finish()  # before the upload completes: a bad checksum leaves no model
+
+                target.write_stream(write)
+            if model is not None:
+                with tempfile.TemporaryDirectory() as local:
+                    model.write_config(Path(local), dtype)
+                    for path in sorted(Path(local).iterdir()):
+                        (out / path.name).put(path.read_bytes())
+            for name in sorted(extra, key=lambda n: n == last):
+                if name == last:
+                    verifier.finish()
+                (out / name).put(extra[name].encode())
+            verifier.finish()
+        finally:
+            verifier.cancel()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, List
 
-from .format import CheckpointError
+from .errors import CheckpointError
 
 _umask_lock = threading.Lock()
 
@@ -110,13 +110,6 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
             pass
         raise
     fsync_dir(path.parent)
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a folder of ours (never through a symbolic link)."""
-    if path.is_symlink():
-        return
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def numbered_folders(root: Path, name: re.Pattern) -> List[Path]:

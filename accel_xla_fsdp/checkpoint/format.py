@@ -1,20 +1,17 @@
 """The sharded checkpoint format: plain safetensors files with their layout in JSON metadata.
 
 [Note: checkpoint layout]
-A checkpoint directory holds one committed save:
+A checkpoint directory (a local folder or a URL: [Note: checkpoint locations]) holds saves:
 
-    DIR/checkpoint.json                                   the commit record, written last
+    DIR/<save_id>/started.json                            rank 0's marker: a save of ours
     DIR/<save_id>/rank-00000-of-00004.safetensors         one file per rank
     ...
+    DIR/<save_id>/checkpoint.json                         the save's record, written last
 
-``checkpoint.json`` names the committed save, its run token and its files, and (``saves``) every
-save folder that ``save_sharded`` made in DIR and has not removed yet: the only folders it ever
-removes. It is replaced atomically (temporary file, fsync, rename): before a save writes
-anything, to add the new folder to ``saves``; once every rank has written its file, to commit;
-after the older folders are gone, to drop them from ``saves``. A save killed at any point leaves
-the previous record, and the previous save's files, untouched; what it wrote is listed in
-``saves`` and removed by the next save. A directory without a ``checkpoint.json`` naming a save
-holds no checkpoint.
+The newest save with a record is the checkpoint; ``checkpoint.json`` names the save, its run
+token and its files with their sizes and checksums ([Note: committing a save]). Directories of
+earlier versions hold one ``DIR/checkpoint.json`` naming the committed save (and, in format 2,
+``saves``: the folders it made), still read.
 
 Each rank file holds tensors named ``model/<group>`` (this rank's shard of a parameter group:
 its name under the wrapped root, e.g. ``model.layers.0._fsdp_wrapped_module.flat_param_0``),
@@ -46,16 +43,22 @@ overlap the target shard's range.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import xxhash
 from safetensors import safe_open
+
+from .errors import CheckpointError
+from .store import Location, PathLike
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "accel-xla-fsdp/2"
 FORMAT_1 = "accel-xla-fsdp/1"  # before run tokens and checksums: still read, without those checks
@@ -74,10 +77,6 @@ VERIFY_CHUNK = 8 * 2**20
 
 def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not fit: the message names the file or key."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,43 +393,62 @@ def _optimizer(raw: Any, where: str, groups: set) -> Optional[Dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------
 # The record
+#
+# [Note: committing a save]
+# A save is complete when its record, ``<save_id>/checkpoint.json``, exists: written last, in one
+# step, by rank 0, once every rank has written its file and confirmed it (its size as the store
+# reports it, and the XXH3-64 of its bytes as written) over one collective; the record lists
+# every rank file with that size and checksum. Rank 0 first writes ``<save_id>/started.json``
+# (the run token), which marks the folder as a save of ours: a folder with it and without a
+# record is an incomplete save, which loads skip (naming it) and the next save removes, file by
+# file, only what a save writes (rank files, then the marker). Once the new record is written,
+# older complete saves are removed the same way, record first (so a removal cut short leaves an
+# incomplete save, never a record naming missing files). No file is ever renamed or replaced,
+# and no host needs to see another's files, so the same protocol holds on a local disk, a
+# shared filesystem and a bucket. Directories of earlier versions (one ``checkpoint.json`` at the
+# top naming the committed save) are still read and saved over.
+
+SAVE_MARKER = "started.json"
 
 
 @dataclass(frozen=True)
 class Record:
-    """``checkpoint.json``: the committed save (``save_id`` None before the first commit) and
-    every save folder of ours not yet removed (``saves``)."""
+    """A save's record (``<save_id>/checkpoint.json``), or an earlier version's ``checkpoint.json``
+    at the top (``saves``: the save folders it made; ``save_id`` None before the first commit)."""
 
     format: str
     save_id: Optional[str]
     token: Optional[str]
     world_size: int
-    files: Tuple[str, ...]
-    saves: Tuple[str, ...]
+    files: Tuple[str, ...]  # relative to the checkpoint directory: "<save_id>/rank-....safetensors"
+    saves: Tuple[str, ...] = ()
+    file_sizes: Tuple[int, ...] = ()
+    file_checksums: Tuple[str, ...] = ()
 
     def to_json(self) -> str:
         raw: Dict[str, Any] = {"format": self.format, "save_id": self.save_id}
         if self.save_id is not None:
             raw.update(token=self.token, world_size=self.world_size, files=list(self.files))
-        raw["saves"] = list(self.saves)
+        if self.file_sizes:
+            raw.update(file_sizes=list(self.file_sizes), file_checksums=list(self.file_checksums))
+        else:
+            raw["saves"] = list(self.saves)
         return json.dumps(raw, indent=1)
 
 
-def read_record(directory: Path, *, committed: bool = True) -> Optional[Record]:
-    """The record of ``directory``, every field checked. Missing: a ``CheckpointError`` if
-    ``committed``, else None; with ``committed``, a record naming no save is refused too."""
-    path = directory / RECORD
-    if not path.is_file():
+def read_record(directory: PathLike, *, committed: bool = True, path: Optional[Location] = None) -> Optional[Record]:
+    """The record at ``path`` (by default ``directory/checkpoint.json``, an earlier version's),
+    every field checked. Missing: a ``CheckpointError`` if ``committed``, else None; with
+    ``committed``, a record naming no save is refused too."""
+    directory = Location.of(directory)
+    path = path if path is not None else directory / RECORD
+    if not path.isfile():
         if committed:
             raise CheckpointError(
                 f"{directory}: no {RECORD}, so no complete checkpoint (a save that did not finish leaves none)"
             )
         return None
-    try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_RECORD_BYTES + 1)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    text = path.read_bytes(MAX_RECORD_BYTES + 1)
     if len(text) > MAX_RECORD_BYTES:
         raise CheckpointError(f"{path}: larger than {MAX_RECORD_BYTES} bytes, not a checkpoint record")
     raw = parse_json(text, str(path), "the record")
@@ -447,7 +465,11 @@ def read_record(directory: Path, *, committed: bool = True) -> Optional[Record]:
                 f"{directory}: {RECORD} names no committed save yet (the first save into it did not finish)"
             )
         return Record(FORMAT, None, None, 0, (), saves)
-    check_dict(raw, where, ("format", "save_id", "world_size", "files") + (("token", "saves") if new else ()))
+    per_save = new and "file_sizes" in raw
+    fields = ("format", "save_id", "world_size", "files")
+    if new:
+        fields += ("token", "file_sizes", "file_checksums") if per_save else ("token", "saves")
+    check_dict(raw, where, fields)
     save_id = _check_save_name(raw["save_id"], f"{where}, field 'save_id'")
     files = check_list(raw["files"], f"{where}, field 'files'")
     world = check_int(raw["world_size"], f"{where}, field 'world_size'", 1)
@@ -455,17 +477,29 @@ def read_record(directory: Path, *, committed: bool = True) -> Optional[Record]:
         raise CheckpointError(f"{where}: lists {len(files)} rank files for a world of {world}")
     for rank, name in enumerate(files):
         folder, _, base = name.partition("/") if isinstance(name, str) else ("", "", "")
-        if not SAVE_NAME.fullmatch(folder) or base != rank_file_name(rank, world):
+        if not SAVE_NAME.fullmatch(folder) or base != rank_file_name(rank, world) or (per_save and folder != save_id):
             want = f"{save_id}/{rank_file_name(rank, world)}"
             raise CheckpointError(f"{where}, files[{rank}]: expected a path like {want!r}, found {_short(name)}")
     token = None
     saves: Tuple[str, ...] = (save_id,)
+    sizes: Tuple[int, ...] = ()
+    sums: Tuple[str, ...] = ()
     if new:
         token = raw["token"]
         if not isinstance(token, str) or not TOKEN.fullmatch(token):
             raise CheckpointError(f"{where}, field 'token': expected 32 hexadecimal digits, found {_short(token)}")
+    if per_save:
+        sizes = tuple(check_int(n, f"{where}, field 'file_sizes'") for n in check_list(raw["file_sizes"], where))
+        sums = tuple(check_list(raw["file_checksums"], f"{where}, field 'file_checksums'"))
+        if len(sizes) != world or len(sums) != world:
+            raise CheckpointError(f"{where}: file_sizes and file_checksums must list one entry per rank file")
+        for value in sums:
+            if not isinstance(value, str) or not CHECKSUM.fullmatch(value):
+                raise CheckpointError(f"{where}, field 'file_checksums': expected 'xxh3_64:<16 hex digits>'")
+        saves = ()
+    elif new:
         saves = _saves(raw["saves"], where)
-    return Record(raw["format"], save_id, token, world, tuple(files), saves)
+    return Record(raw["format"], save_id, token, world, tuple(files), saves, sizes, sums)
 
 
 def _saves(raw: Any, where: str) -> Tuple[str, ...]:
@@ -473,6 +507,43 @@ def _saves(raw: Any, where: str) -> Tuple[str, ...]:
     if len(set(names)) != len(names):
         raise CheckpointError(f"{where}, field 'saves': lists a folder twice")
     return names
+
+
+def save_folders(root: Location) -> List[Tuple[int, str]]:
+    """(number, name) of the ``save-<n>`` entries in ``root``, lowest first."""
+    found = [(int(m.group(1)), n) for n in root.names() if (m := SAVE_NAME.fullmatch(n))]
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class SaveState:
+    """What a checkpoint directory holds: its newest complete save (its record's location and the
+    record), and the incomplete saves of ours newer than it (their folder names)."""
+
+    record_path: Optional[Location]
+    record: Optional[Record]
+    incomplete: Tuple[str, ...]
+
+
+def find_saves(root: PathLike) -> SaveState:
+    """The newest complete save in ``root`` ([Note: committing a save]) and the incomplete ones
+    above it; an earlier version's top-level record counts as its save's."""
+    root = Location.of(root)
+    legacy = read_record(root, committed=False)
+    legacy_id = legacy.save_id if legacy is not None else None
+    incomplete: List[str] = []
+    for _, name in reversed(save_folders(root)):
+        if name == legacy_id:
+            return SaveState(root / RECORD, legacy, tuple(incomplete))
+        entries = (root / name).names()
+        if RECORD in entries:
+            path = root / name / RECORD
+            return SaveState(path, read_record(root, path=path), tuple(incomplete))
+        if SAVE_MARKER in entries:
+            incomplete.append(name)
+    if legacy_id is not None:
+        return SaveState(root / RECORD, legacy, tuple(incomplete))
+    return SaveState(None, None, tuple(incomplete))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,25 +564,37 @@ class TensorHeader:
 
 @dataclass(frozen=True)
 class FileHeader:
-    path: Path
+    path: Union[Path, Location]
     tensors: Dict[str, TensorHeader]
     metadata: Dict[str, str]
     data_start: int  # 8 + header length
 
 
-def read_header(path: Path) -> FileHeader:
-    """The safetensors header of ``path``, every entry checked against the file's size."""
+def read_header(path: Union[Path, Location]) -> FileHeader:
+    """The safetensors header of ``path``, every entry checked against the file's size (in a
+    bucket: two ranged reads, the length and then the header)."""
+    if isinstance(path, Location) and path.local:
+        path = path.as_path()
     bad = f"{path}: not a readable safetensors file"
     try:
-        size = os.stat(path).st_size
-        with open(path, "rb") as f:
-            first = f.read(8)
-            if len(first) < 8:
-                raise CheckpointError(f"{bad} ({size} bytes, shorter than a header)")
-            (length,) = struct.unpack("<Q", first)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CheckpointError(f"{bad} (its header claims {length} bytes; the file has {size})")
-            text = f.read(length)
+        if isinstance(path, Location):
+            size = path.size()
+            first = path.read_range(0, min(8, size))
+        else:
+            size = os.stat(path).st_size
+            with open(path, "rb") as f:
+                first = f.read(8)
+        if len(first) < 8:
+            raise CheckpointError(f"{bad} ({size} bytes, shorter than a header)")
+        (length,) = struct.unpack("<Q", first)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CheckpointError(f"{bad} (its header claims {length} bytes; the file has {size})")
+        if isinstance(path, Location):
+            text = path.read_range(8, 8 + length)
+        else:
+            with open(path, "rb") as f:
+                f.seek(8)
+                text = f.read(length)
     except OSError as e:
         raise CheckpointError(f"{bad} ({e})") from None
     if not text.startswith(b"{"):
@@ -550,7 +633,7 @@ def read_header(path: Path) -> FileHeader:
         raise CheckpointError(
             f"{bad} (its header describes {8 + length + end} bytes; the file has {size}: truncated or extended)"
         )
-    return FileHeader(Path(path), tensors, dict(metadata), 8 + length)
+    return FileHeader(path, tensors, dict(metadata), 8 + length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,7 +658,7 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 
 def file_checksum(
-    path: Path,
+    path: Union[Path, Location],
     start: int,
     length: int,
     buffer: Optional[bytearray] = None,
@@ -585,6 +668,14 @@ def file_checksum(
     buffer = buffer if buffer is not None else bytearray(min(VERIFY_CHUNK, max(length, 1)))
     view = memoryview(buffer)
     digest = xxhash.xxh3_64()
+    if isinstance(path, Location) and path.local:
+        path = path.as_path()
+    if isinstance(path, Location):  # in a bucket: ranged reads of at most one buffer each
+        while length > 0 and not cancelled():
+            n = min(len(view), length)
+            digest.update(path.read_range(start, start + n))
+            start, length = start + n, length - n
+        return _formatted(digest)
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         while length > 0 and not cancelled():
@@ -609,15 +700,27 @@ class ShardedCheckpoint:
     ``verify``.
     """
 
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        record = read_record(self.directory)
-        assert record is not None and record.save_id is not None
+    def __init__(self, directory: PathLike) -> None:
+        self.directory = Location.of(directory)
+        found = find_saves(self.directory)
+        self.skipped = found.incomplete  # incomplete saves newer than the one read
+        if found.record is None or found.record.save_id is None:
+            raise CheckpointError(_no_checkpoint(self.directory, found))
+        if found.incomplete:
+            logger.warning(
+                "%s: skipping incomplete save(s) %s (no %s: a save that did not finish); reading %s",
+                self.directory,
+                ", ".join(found.incomplete),
+                RECORD,
+                found.record.save_id,
+            )
+        record = found.record
         self.format = record.format
         self.save_id: str = record.save_id
         self.token: Optional[str] = record.token
         self.world_size: int = record.world_size
         self.files = [self.directory / f for f in record.files]
+        self._check_files_present()
         self.headers: List[FileHeader] = []
         self.metas: List[RankMeta] = []
         for rank, path in enumerate(self.files):
@@ -629,11 +732,39 @@ class ShardedCheckpoint:
         }
         self.groups: Dict[str, GroupEntry] = {g.key: g for g in self.metas[0].groups}
         self._check_layout()
+        self._check_sizes(record)
         self._open: Dict[int, Any] = {}
 
-    def _read_meta(self, rank: int, path: Path) -> Tuple[FileHeader, RankMeta]:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: rank {rank}'s file of save {self.save_id} is missing")
+    def _check_files_present(self) -> None:
+        """Every rank file is here; the missing ones are named together (on a pod without a
+        shared filesystem each host holds only its ranks' files)."""
+        present = set(self.directory.__truediv__(self.save_id).names())
+        missing = [r for r, f in enumerate(self.files) if f.name not in present]
+        if len(missing) == 1:
+            r = missing[0]
+            raise CheckpointError(f"{self.files[r]}: rank {r}'s file of save {self.save_id} is missing")
+        if missing:
+            raise CheckpointError(
+                f"{self.directory}: {len(missing)} of the {self.world_size} rank files of save {self.save_id} are "
+                f"missing here: ranks {_ranges(missing)} ({', '.join(self.files[r].name for r in missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}). Each host of a pod writes its own ranks' files: without a "
+                "shared filesystem, save to a bucket (s3://, gs://) or copy every host's files into this folder"
+            )
+
+    def _check_sizes(self, record: Record) -> None:
+        """Each file has the size its save's record lists (after its header and metadata are
+        checked, which name what is wrong inside a file)."""
+        for rank, size in enumerate(record.file_sizes):
+            found = self.headers[rank].data_start + max(
+                (t.end for t in self.headers[rank].tensors.values()), default=0
+            )
+            if found != size:
+                raise CheckpointError(
+                    f"{self.files[rank]}: not a readable safetensors file ({found} bytes, its save's record lists "
+                    f"{size}: truncated or replaced)"
+                )
+
+    def _read_meta(self, rank: int, path: Location) -> Tuple[FileHeader, RankMeta]:
         header = read_header(path)
         if META_KEY not in header.metadata:
             raise CheckpointError(f"{path}: no {META_KEY} metadata; not a file of this format")
@@ -710,8 +841,11 @@ class ShardedCheckpoint:
 
     def file(self, rank: int) -> Any:
         if rank not in self._open:
+            if not self.files[rank].local:
+                self._open[rank] = RangeReader(self.files[rank], self.headers[rank])
+                return self._open[rank]
             try:
-                self._open[rank] = safe_open(str(self.files[rank]), framework="pt")
+                self._open[rank] = safe_open(self.files[rank].path, framework="pt")
             except Exception as e:  # noqa: BLE001 - changed since its header was checked
                 raise CheckpointError(f"{self.files[rank]}: not a readable safetensors file ({e})") from None
         return self._open[rank]
@@ -851,3 +985,61 @@ def read_flat_slice(f: Any, key: str, lo: int, hi: int, where: str) -> torch.Ten
     first, last = lo // row, -(-hi // row)
     rows = sliced[first:last].reshape(-1)
     return rows[lo - first * row : hi - first * row]
+
+
+def _no_checkpoint(directory: Location, found: SaveState) -> str:
+    if found.incomplete:
+        return (
+            f"{directory}: no complete checkpoint: {', '.join(found.incomplete)} did not finish (no {RECORD} "
+            "in it); the next save removes what it wrote"
+        )
+    return f"{directory}: no {RECORD}, so no complete checkpoint (a save that did not finish leaves none)"
+
+
+def _ranges(numbers: List[int]) -> str:
+    """[0, 1, 2, 5] as "0-2, 5"."""
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
+class RangeReader:
+    """The two reading calls of ``safe_open`` that ``ShardedCheckpoint`` uses, for a file in a
+    bucket: every tensor, or run of rows of one, is one ranged read of just its bytes."""
+
+    def __init__(self, location: Location, header: FileHeader) -> None:
+        self.location, self.header = location, header
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.get_slice(key)[:]
+
+    def get_slice(self, key: str) -> _RangeSlice:
+        if key not in self.header.tensors:
+            raise KeyError(key)
+        return _RangeSlice(self, self.header.tensors[key])
+
+
+class _RangeSlice:
+    def __init__(self, reader: RangeReader, tensor: TensorHeader) -> None:
+        self.reader, self.tensor = reader, tensor
+
+    def get_shape(self) -> List[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        t = self.tensor
+        if not t.shape:
+            first, last, row_bytes = 0, 1, t.end - t.begin
+        else:
+            first, last, _ = rows.indices(t.shape[0])
+            last = max(first, last)
+            row_bytes = numel(t.shape[1:]) * t.dtype.itemsize
+        start = self.reader.header.data_start + t.begin + first * row_bytes
+        data = self.reader.location.read_range(start, start + (last - first) * row_bytes)
+        flat = torch.frombuffer(bytearray(data), dtype=t.dtype) if data else torch.empty(0, dtype=t.dtype)
+        return flat.reshape((last - first, *t.shape[1:]) if t.shape else ())

@@ -7,21 +7,22 @@ the slices its own shards need.
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import secrets
-from dataclasses import dataclass, replace
-from pathlib import Path
+import struct
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
+import xxhash
 
 from .. import _xla
 from ..fsdp import XlaFullyShardedDataParallel
 from ..param_group import ParamSlot, ShardedParamGroup
 from ..state_dict import buffer_original_dtype, full_name, join, original_name
-from .files import check_free_space, check_writable, remove_tree, write_atomically
+from .files import check_free_space, check_writable
 from .format import (
     BUFFER,
     FORMAT,
@@ -30,7 +31,8 @@ from .format import (
     MODEL,
     OPTIM,
     RECORD,
-    SAVE_NAME,
+    SAFETENSORS_DTYPES,
+    SAVE_MARKER,
     CheckpointError,
     GroupEntry,
     ParamEntry,
@@ -40,8 +42,12 @@ from .format import (
     dtype_name,
     rank_file_name,
     read_record,
+    save_folders,
     tensor_checksum,
 )
+from .store import Location, PathLike
+
+logger = logging.getLogger(__name__)
 
 
 class ParamSource(Protocol):
@@ -55,65 +61,147 @@ class ParamSource(Protocol):
 
 
 def save_sharded(
-    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: str
+    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: PathLike
 ) -> None:
     """Write this replica's shards (and optimizer state) into ``directory``; call on every replica.
 
-    All or nothing ([Note: checkpoint layout]): the checkpoint already in ``directory`` stays
-    whole and loadable until every rank has written the new one; then ``checkpoint.json`` is
-    replaced in one step and the older save removed. Only folders ``save_sharded`` made (the
-    record lists them) are ever removed; what a killed save left is removed by the next one.
-    Checked on every rank before anything is written: the directory is writable and has room
-    for this rank's file. Any rank's failure ends the save on every rank (``CheckpointError``,
-    or the failing rank's own error), nothing committed.
+    ``directory`` is a local folder or a URL (``s3://bucket/run/ckpt``, ``gs://...``, any fsspec
+    protocol): every rank writes its own file straight there. All or nothing ([Note: committing
+    a save]): the new save is complete once rank 0 writes its record, after every rank has
+    confirmed its file; until then the checkpoint already in ``directory`` is the one loaded, and
+    the older save is removed only after. Only what saves of ours wrote is ever removed; what a
+    killed save left is removed by the next one. Checked on every rank before anything is
+    written: a local directory is writable and has room for this rank's file. Any rank's failure
+    ends the save on every rank (``CheckpointError``, or the failing rank's own error), nothing
+    committed; store failures are retried when transient ([Note: store failures]).
     """
     _check_root(model)
     _xla.sync()  # the step's pending updates, so that the shards are values to copy
     rank, world = _xla.global_rank(), _xla.world_size()
-    root = Path(directory)
+    root = Location.of(directory)
     groups = list(_groups_of(model))
     tensors, layout = _rank_tensors(model, optimizer, groups)
     checksums = {name: tensor_checksum(t) for name, t in tensors.items()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
-    plan: Optional[_Plan] = None
+    number: Optional[int] = None
     error: Optional[BaseException] = None
     try:
-        check_writable(root, "the checkpoint")
-        check_free_space(root, nbytes, f"rank {rank}'s file")
+        if root.local:
+            check_writable(root.as_path(), "the checkpoint")
+            check_free_space(root.as_path(), nbytes, f"rank {rank}'s file")
         if rank == 0:
-            plan = _prepare(root)
+            number = _prepare(root)
     except (CheckpointError, OSError) as e:
         error = e
     # Rank 0's save number and run token, and everyone's failure, in one collective: every
     # rank goes on, or none.
     token = secrets.token_bytes(16) if rank == 0 else bytes(16)
-    agreed = _agree([plan.number if plan else 0, *token, *_flags(world, rank, error)])
+    agreed = sum_over_replicas([number or 0, *token, *_flags(world, rank, error)])
     number, token_hex = agreed[0], bytes(agreed[1:17]).hex()
     _raise_if_failed(agreed[17:], error, root, "prepare the save (nothing was written)")
-
     save_id = f"save-{number:06d}"
+    if rank == 0 and error is None:
+        try:
+            _mark(root, save_id, token_hex, world)
+        except (CheckpointError, OSError) as e:
+            error = e
+    _raise_if_failed(
+        sum_over_replicas(_flags(world, rank, error)), error, root, "prepare the save (nothing was written)"
+    )
+
     meta = RankMeta(FORMAT, save_id, rank, world, *layout, token=token_hex, checksums=checksums)
     target = root / save_id / rank_file_name(rank, world)
+    confirmed = [0] * _CONFIRM
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(target, lambda tmp: save_file(tensors, str(tmp), metadata={META_KEY: meta.to_json()}))
+        size, digest = target.write_stream(lambda f: write_rank_file(f, tensors, {META_KEY: meta.to_json()}))
+        found = target.size()  # what the store holds, not what we sent
+        if found != size:
+            raise CheckpointError(f"{target}: the store holds {found} bytes, {size} were written")
+        confirmed = [1, *_words(size), *_words(int(digest, 16))]
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
         error = e
     tensors.clear()  # this rank's copies: not needed past the write
-    failed = _agree(_flags(world, rank, error))  # every rank's file is on disk, or some failed
-    if any(failed) and rank == 0 and plan is not None:
-        remove_tree(root / save_id)  # listed in the record: the next save removes it if this cannot
+    slots = [0] * (_CONFIRM * world)
+    slots[rank * _CONFIRM : (rank + 1) * _CONFIRM] = confirmed
+    agreed = sum_over_replicas(slots)  # every rank's file is in the store, its size and checksum known
+    files = [agreed[r * _CONFIRM : (r + 1) * _CONFIRM] for r in range(world)]
+    failed = [int(not f[0]) for f in files]
+    if any(failed) and rank == 0:
+        _remove_quietly(root, save_id)  # the next save removes it if this cannot
     _raise_if_failed(failed, error, root, f"write its file of {save_id} (the previous checkpoint is as it was)")
     if rank == 0:
+        sizes = tuple(_unwords(f[1:5]) for f in files)
+        sums = tuple(f"xxh3_64:{_unwords(f[5:9]):016x}" for f in files)
+        names = tuple(f"{save_id}/{rank_file_name(r, world)}" for r in range(world))
         try:
-            _commit(root, plan, save_id, token_hex, world)
+            _commit(root, Record(FORMAT, save_id, token_hex, world, names, (), sizes, sums))
         except Exception as e:  # noqa: BLE001
             error = e
-    # No rank reads the directory before it is committed, and every rank learns if it was not.
+    # No rank goes on before the save is committed, and every rank learns if it was not.
     _raise_if_failed(
-        _agree(_flags(world, rank, error)), error, root, f"commit {save_id} (the previous checkpoint is as it was)"
+        sum_over_replicas(_flags(world, rank, error)),
+        error,
+        root,
+        f"commit {save_id} (the previous checkpoint is as it was)",
     )
+    _remove_older(root, number, rank, world)
+
+
+_CONFIRM = 9  # per rank: written (0/1), the file's size and its XXH3-64, each in four 16-bit words
+
+
+def _words(value: int) -> List[int]:
+    """A 64-bit value as four 16-bit words: a sum of int32 over ranks carries them exactly."""
+    return [(value >> (16 * i)) & 0xFFFF for i in range(4)]
+
+
+def _unwords(words: Sequence[int]) -> int:
+    return sum(w << (16 * i) for i, w in enumerate(words))
+
+
+def write_rank_file(f: Any, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> Tuple[int, str]:
+    """Write ``tensors`` as a safetensors file into ``f``, tensor by tensor (nothing but the
+    header is built in memory); returns the bytes written and their XXH3-64. Tensors are laid out
+    as ``safetensors`` lays them out: larger element sizes first, so that each starts aligned."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: Dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    digest = xxhash.xxh3_64()
+    written = 0
+    for chunk in (struct.pack("<Q", len(raw)), raw):
+        f.write(chunk)
+        digest.update(chunk)
+        written += len(chunk)
+    for name in order:
+        t = tensors[name].contiguous().reshape(-1)
+        if t.numel():
+            data = memoryview(t.view(torch.uint8).numpy())
+            f.write(data)
+            digest.update(data)
+            written += len(data)
+    return written, digest.hexdigest()
+
+
+def _mark(root: Location, save_id: str, token: str, world: int) -> None:
+    """Rank 0, before any rank file: the marker that makes the folder a save of ours."""
+    (root / save_id / SAVE_MARKER).put(json.dumps({"token": token, "world_size": world}).encode())
+
+
+def _commit(root: Location, record: Record) -> None:
+    """Rank 0, once every rank has confirmed its file: the save is complete from here on."""
+    (root / str(record.save_id) / RECORD).put(record.to_json().encode())
 
 
 def _check_root(model: nn.Module) -> None:
@@ -124,84 +212,90 @@ def _check_root(model: nn.Module) -> None:
         )
 
 
-@dataclass
-class _Plan:
-    """Rank 0's view of a save: its number, and every folder of ours (the new one last)."""
-
-    number: int
-    saves: Tuple[str, ...]
-
-
-# Our temporary files: the record's, and rank files' (in a save folder).
+# What a save of ours writes into its folder (and what earlier versions left there: temporary
+# rank files), the only files ever removed from it.
+_OURS = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors|\.rank-\d+-of-\d+\.safetensors\.tmp-.+")
 _RECORD_TMP = re.compile(r"\.checkpoint\.json\.tmp-.+")
-_RANK_TMP = re.compile(r"\.rank-\d+-of-\d+\.safetensors\.tmp-.+")
 
 
-def _prepare(root: Path) -> _Plan:
-    """Rank 0, before anything is written: remove what killed saves left (folders the record
-    lists that it does not commit, our temporary files), pick the new save's number, and list
-    its folder in the record before creating it."""
-    record = read_record(root, committed=False)
-    committed = record.save_id if record else None
-    ours = record.saves if record else ()
-    for name in ours:
-        if name != committed:
-            remove_tree(root / name)
-    if root.is_dir():
-        for leftover in [p for p in root.iterdir() if _RECORD_TMP.fullmatch(p.name)]:
-            _unlink_file(leftover)
-        if committed and (root / committed).is_dir() and not (root / committed).is_symlink():
-            for leftover in [p for p in (root / committed).iterdir() if _RANK_TMP.fullmatch(p.name)]:
-                _unlink_file(leftover)
-    number = max((int(SAVE_NAME.fullmatch(n).group(1)) for n in ours), default=-1) + 1
-    while (root / f"save-{number:06d}").exists() or (root / f"save-{number:06d}").is_symlink():
-        number += 1  # a folder that is not ours (or that could not be removed): never reused
-    new = f"save-{number:06d}"
-    remaining = tuple(n for n in ours if n == committed or (root / n).exists())
-    saves = remaining + (new,)
-    root.mkdir(parents=True, exist_ok=True)
-    if record is None or record.format != FORMAT_1:  # a format-1 record cannot list folders
-        pending = replace(record, saves=saves) if record else Record(FORMAT, None, None, 0, (), saves)
-        _write_record(root, pending)
-    (root / new).mkdir()
-    return _Plan(number, saves)
+def _prepare(root: Location) -> int:
+    """Rank 0, before anything is written: the new save's number (above every ``save-<n>`` in
+    ``root``, ours or not: never reused), then what killed saves of ours left is removed (folders
+    with our marker and no record; earlier versions' uncommitted folders and temporary files)."""
+    numbers = save_folders(root)
+    number = max((n for n, _ in numbers), default=-1) + 1
+    legacy = read_record(root, committed=False)
+    legacy_ours = set(legacy.saves) - {legacy.save_id} if legacy else set()
+    for _, name in numbers:
+        entries = (root / name).names()
+        if name in legacy_ours or (SAVE_MARKER in entries and RECORD not in entries):
+            _remove_save(root, name, entries)
+    for name in root.names():
+        if _RECORD_TMP.fullmatch(name):
+            (root / name).remove()
+    root.makedirs()
+    return number
 
 
-def _commit(root: Path, plan: Optional[_Plan], save_id: str, token: str, world: int) -> None:
-    """Rank 0, once every rank's file is on disk: the record names the new save; then the older
-    folders of ours are removed, and the record stops listing them."""
-    assert plan is not None
-    files = tuple(f"{save_id}/{rank_file_name(r, world)}" for r in range(world))
-    record = Record(FORMAT, save_id, token, world, files, plan.saves)
-    _write_record(root, record)
-    for name in plan.saves:
-        if name != save_id:
-            remove_tree(root / name)
-    remaining = tuple(n for n in plan.saves if n != save_id and (root / n).exists())
-    if remaining + (save_id,) != plan.saves:
-        try:
-            _write_record(root, replace(record, saves=remaining + (save_id,)))
-        except OSError:
-            pass  # committed all the same; the next save drops the names of what is gone
+def _remove_save(root: Location, name: str, entries: Optional[List[str]] = None) -> None:
+    """Remove a save of ours file by file: its record first (it is then incomplete), its rank
+    files, its marker last (so that a removal cut short is finished by the next save); a folder
+    of the user's files in it stays."""
+    folder = root / name
+    entries = folder.names() if entries is None else entries
+    if RECORD in entries:
+        (folder / RECORD).remove()
+    for entry in entries:
+        if _OURS.fullmatch(entry):
+            (folder / entry).remove()
+    if SAVE_MARKER in entries:
+        (folder / SAVE_MARKER).remove()
+    folder.remove_dir_if_empty()
 
 
-def _write_record(root: Path, record: Record) -> None:
-    write_atomically(root / RECORD, lambda tmp: tmp.write_text(record.to_json()))
+def _remove_quietly(root: Location, save_id: str) -> None:
+    try:
+        _remove_save(root, save_id)
+    except (CheckpointError, OSError) as e:
+        logger.warning("%s: could not remove the failed save %s yet (%s); the next save will", root, save_id, e)
 
 
-def _unlink_file(path: Path) -> None:
-    if path.is_file() and not path.is_symlink():
-        try:
-            path.unlink()
-        except OSError:
-            pass
+def _remove_older(root: Location, number: int, rank: int, world: int) -> None:
+    """After the commit: rank 0 removes the older saves of ours (complete ones, and an earlier
+    version's), then every rank removes its own files of older saves that it still sees (on a
+    pod without a shared filesystem only its host holds them). Failures are logged: the save is
+    committed, and the next one removes what is left."""
+    error: Optional[BaseException] = None
+    try:
+        if rank == 0:
+            legacy = read_record(root, committed=False)
+            if legacy is not None:
+                (root / RECORD).remove()
+            for n, name in save_folders(root):
+                entries = (root / name).names()
+                if n < number and (RECORD in entries or SAVE_MARKER in entries or (legacy and name in legacy.saves)):
+                    _remove_save(root, name, entries)
+    except (CheckpointError, OSError) as e:
+        error = e
+    sum_over_replicas([0])  # rank 0 is done: what the others find now is on their host only
+    try:
+        if rank != 0:
+            for n, name in save_folders(root):
+                own = root / name / rank_file_name(rank, world)
+                if n < number and own.name in (root / name).names():
+                    own.remove()
+                    (root / name).remove_dir_if_empty()
+    except (CheckpointError, OSError) as e:
+        error = e
+    if error is not None:
+        logger.warning("%s: older saves not all removed (%s); the next save removes them", root, error)
 
 
 def _flags(world: int, rank: int, error: Optional[BaseException]) -> List[int]:
     return [int(error is not None and r == rank) for r in range(world)]
 
 
-def _raise_if_failed(failed: Sequence[int], error: Optional[BaseException], root: Path, what: str) -> None:
+def _raise_if_failed(failed: Sequence[int], error: Optional[BaseException], root: Location, what: str) -> None:
     if error is not None:
         raise error
     ranks = [r for r, f in enumerate(failed) if f]
@@ -209,7 +303,7 @@ def _raise_if_failed(failed: Sequence[int], error: Optional[BaseException], root
         raise CheckpointError(f"{root}: rank(s) {ranks[:8]} could not {what}; their own error says why")
 
 
-def _agree(values: List[int]) -> List[int]:
+def sum_over_replicas(values: List[int]) -> List[int]:
     """The sum over every replica of ``values`` (small non-negative integers), on every replica:
     one collective. Run at a sync, where replicas take turns (one compiles, the others reuse the
     program): read back directly, every replica would compile it at once, and a replica that
@@ -301,7 +395,7 @@ def _is_json(value: Any) -> bool:
 
 
 def load_sharded(
-    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: str
+    model: XlaFullyShardedDataParallel, optimizer: Optional[torch.optim.Optimizer], directory: PathLike
 ) -> None:
     """Load a checkpoint saved by ``save_sharded`` on any number of ranks, in any layout.
 
@@ -384,7 +478,7 @@ def _verify_together(ckpt: ShardedCheckpoint, with_optimizer: bool) -> None:
             )
             flags[index] = 1
             break
-    bad = [i for i, f in enumerate(_agree(flags)) if f]
+    bad = [i for i, f in enumerate(sum_over_replicas(flags)) if f]
     if error is not None:
         raise error
     if bad:

@@ -22,6 +22,7 @@ What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -33,13 +34,14 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, synchronize_rng_states
 
 from .. import _xla
+from ..checkpoint.store import Location
 from ..checkpointing import checkpoint_module
 from ..construction import FlatShardKey
 from ..fsdp import XlaFullyShardedDataParallel
 from ..state_dict import shards_by_name
 from ..xla_cpu import host_collectives
 from ..xla_cpu.rendezvous import agree, broadcast_from_rank0_, replicas_are_threads
-from . import checkpoints, launch, pretrained_loading
+from . import bucket_state, checkpoints, launch, pretrained_loading
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin
 from .unwrapped_generate import route_generate
@@ -239,6 +241,9 @@ class Accelerator(accelerate.Accelerator):
         model, which ``from_pretrained`` then loads). Call on every replica; the main one writes."""
         if not isinstance(model, XlaFullyShardedDataParallel):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        if bucket_state.is_url(save_directory):
+            self._save_model_to_store(model, Location.of(save_directory), max_shard_size, safe_serialization)
+            return
         if os.path.isfile(save_directory):  # as Accelerate's: said, and nothing saved (on every replica alike)
             logger.error(f"Provided path ({save_directory}) should be a directory, not a file")
             return
@@ -263,6 +268,31 @@ class Accelerator(accelerate.Accelerator):
                 )
         self.wait_for_everyone()
 
+    def _save_model_to_store(
+        self, model: XlaFullyShardedDataParallel, target: Location, max_shard_size: Any, safe_serialization: bool
+    ) -> None:
+        """``save_model`` to a URL: written as into a local folder, in a temporary one, then every
+        file uploaded (the index or ``model.safetensors`` last, so that what loads is whole)."""
+        agree("save_model")
+        state = model.model_state_dict()
+        if self.is_main_process:
+            with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-model-") as local:
+                inner = model.module
+                if hasattr(inner, "save_pretrained"):
+                    inner.save_pretrained(
+                        local, state_dict=state, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+                    )
+                else:
+                    from huggingface_hub import save_torch_state_dict
+
+                    save_torch_state_dict(
+                        state, local, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+                    )
+                entry = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json")
+                for path in sorted(Path(local).iterdir(), key=lambda p: p.name in entry):
+                    (target / path.name).put(path.read_bytes())
+        self.wait_for_everyone()
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> str:
@@ -270,6 +300,10 @@ class Accelerator(accelerate.Accelerator):
         if not self._sharded_models():
             return super().save_state(output_dir, safe_serialization, **kwargs)
         config = self.project_configuration
+        full = self.xla_fsdp_plugin.state_dict_type == "full_state_dict"
+        where = output_dir if not config.automatic_checkpoint_naming else self.project_dir
+        if where is not None and bucket_state.is_url(where):  # never a local path ([Note: save_state in a bucket])
+            return self._save_state_to_store(output_dir, full)
         if config.automatic_checkpoint_naming:
             root = Path(self.project_dir) / "checkpoints"
             folder = root / f"checkpoint_{self.save_iteration}"
@@ -277,7 +311,6 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
         else:
             folder = Path(output_dir).expanduser()
-        full = self.xla_fsdp_plugin.state_dict_type == "full_state_dict"
         checkpoints.save(self, folder, self._model_optimizer_pairs(), full)
         if config.automatic_checkpoint_naming and self.is_main_process:
             checkpoints.rotate(root, config.total_limit)
@@ -286,12 +319,48 @@ class Accelerator(accelerate.Accelerator):
         logger.info(f"Saved the state to {folder}")
         return str(folder)
 
+    def _save_state_to_store(self, output_dir: Optional[str], full: bool) -> str:
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming:
+            root = Location.of(self.project_dir) / "checkpoints"
+            folder = root / f"checkpoint_{self.save_iteration}"
+        else:
+            folder = Location.of(str(output_dir))
+        bucket_state.save(self, folder, self._model_optimizer_pairs(), full)
+        if config.automatic_checkpoint_naming and self.is_main_process:
+            bucket_state.rotate(root, config.total_limit)
+        self.wait_for_everyone()
+        config.iteration += 1
+        logger.info(f"Saved the state to {folder}")
+        return str(folder)
+
+    def _load_state_from_store(self, input_dir: Optional[str], load_kwargs: Optional[dict]) -> None:
+        config = self.project_configuration
+        if input_dir is not None:
+            folder = Location.of(input_dir)
+        else:
+            root = Location.of(self.project_dir) / "checkpoints"
+            found = bucket_state.complete_checkpoints(root)
+            if not found:
+                raise ValueError(f"load_state: no complete checkpoint_<n> folder under {root}")
+            folder = found[-1]
+        restored = bucket_state.load(self, folder, self._model_optimizer_pairs(), load_kwargs)
+        if "step" in restored:
+            self.step = restored["step"]
+        number = checkpoints.checkpoint_number(Path(folder.name))
+        if config.automatic_checkpoint_naming and number is not None:
+            config.iteration = number + 1
+        logger.info(f"Loaded the state from {folder}")
+
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         """Load a ``save_state`` folder (the newest numbered one with automatic naming), on any
         number of replicas; later automatic saves are numbered after it."""
         if not self._sharded_models():
             return super().load_state(input_dir, load_kwargs, **kwargs)
         config = self.project_configuration
+        where = input_dir if input_dir is not None or not config.automatic_checkpoint_naming else self.project_dir
+        if where is not None and bucket_state.is_url(where):
+            return self._load_state_from_store(input_dir, load_kwargs)
         if input_dir is not None:
             folder = Path(input_dir).expanduser()
             if self.is_main_process:

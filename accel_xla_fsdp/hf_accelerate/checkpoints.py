@@ -10,6 +10,9 @@ automatic naming) holds, here:
 - with ``fsdp_state_dict_type: FULL_STATE_DICT``, also ``model/`` (``model_<i>/``): the
   consolidated model in the Hugging Face layout, which ``from_pretrained`` loads.
 
+A URL (``s3://``, ``gs://``, ...) is never a local folder: ``save_state`` / ``load_state`` at a
+URL go through ``bucket_state.py`` ([Note: save_state in a bucket]).
+
 [Note: replacing a save_state folder]
 The folder is written as ``.<name>.accel-xla-fsdp-saving`` beside it and renamed into place once
 every rank's files are complete, so a save that fails leaves every earlier checkpoint as it was;
@@ -47,6 +50,7 @@ from accelerate.utils import load as accelerate_load
 from .. import _xla
 from ..checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_sharded, save_sharded
 from ..checkpoint.files import numbered_folders
+from ..checkpoint.format import RECORD
 from ..fsdp import XlaFullyShardedDataParallel
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -203,7 +207,7 @@ def foreign_entries(folder: Path) -> List[str]:
     try:
         written = set(json.loads((folder / MANIFEST).read_text())["written"])
     except (OSError, ValueError, KeyError, TypeError):
-        written = set(names) if (sharded_dir(folder, 0) / "checkpoint.json").is_file() else set()
+        written = set(names) if (sharded_dir(folder, 0) / RECORD).is_file() else set()  # an earlier version's
     return [n for n in names if n not in written and n != MANIFEST]
 
 
@@ -222,9 +226,9 @@ def load(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], load_kw
     before any model is loaded."""
     for index in range(len(pairs)):
         source = sharded_dir(folder, index)
-        if not (source / "checkpoint.json").is_file():
+        if not source.is_dir():
             raise CheckpointError(
-                f"{folder} holds no XLA FSDP model {index} ({source.name}/checkpoint.json is missing): "
+                f"{folder} holds no XLA FSDP model {index} ({source.name}/ is missing): "
                 "load a folder written by accel_xla_fsdp's Accelerator.save_state"
             )
         ShardedCheckpoint(source).close()
