@@ -22,6 +22,7 @@ __all__ = [
     "XlaFsdpPlugin",
     "Trainer",
     "Seq2SeqTrainer",
+    "XlaFsdpTrainerMixin",
     "XlaFullyShardedDataParallel",
     "checkpoint_module",
     "save_sharded",
@@ -50,13 +51,13 @@ patches.install(patches.Stage.PACKAGE)
 
 
 def __getattr__(name: str) -> object:
-    """``Accelerator`` and ``XlaFsdpPlugin`` import Accelerate, ``Trainer`` and ``Seq2SeqTrainer``
-    transformers' Trainer too: only when asked for."""
+    """``Accelerator`` and ``XlaFsdpPlugin`` import Accelerate, ``Trainer``, ``Seq2SeqTrainer`` and
+    ``XlaFsdpTrainerMixin`` transformers' Trainer too: only when asked for."""
     if name in ("Accelerator", "XlaFsdpPlugin"):
         from . import hf_accelerate
 
         return getattr(hf_accelerate, name)
-    if name in ("Trainer", "Seq2SeqTrainer"):
+    if name in ("Trainer", "Seq2SeqTrainer", "XlaFsdpTrainerMixin"):
         from . import hf_trainer
 
         return getattr(hf_trainer, name)

@@ -1,5 +1,6 @@
 """The ``accel-xla-fsdp`` command (installed with the package; also ``python -m accel_xla_fsdp``).
 
+    accel-xla-fsdp launch [accelerate launch's arguments] SCRIPT [ARGS]
     accel-xla-fsdp consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--config PATH]
                                [--dtype bfloat16] [--optimizer] [--overwrite]
     accel-xla-fsdp convert-torch-xla INPUT OUT_DIR [--max-shard-size 5GB] [--config PATH]
@@ -82,6 +83,12 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-xla-fsdp", description="Tools for accel-xla-fsdp checkpoints.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser(
+        "launch",
+        help="run a script unchanged on the engine (accelerate launch's arguments)",
+        description=LAUNCH_HELP,
+        add_help=False,
+    )
     c = commands.add_parser(
         "consolidate",
         help="write a sharded checkpoint as a Hugging Face model folder",
@@ -148,7 +155,27 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+LAUNCH_HELP = """\
+Run SCRIPT unchanged on accel-xla-fsdp's engine: `accelerate launch`'s arguments and config file
+(distributed_type: XLA, our fsdp_config keys), then the script and its arguments. Accelerate's
+Accelerator, transformers' Trainer and every subclass of it (TRL's trainers) are accel-xla-fsdp's
+in every replica. `accel-xla-fsdp launch --help` lists Accelerate's arguments."""
+
+
+def _launch(argv: List[str]) -> int:
+    from .launcher import LaunchError, launch
+
+    try:
+        return launch(argv)
+    except LaunchError as e:
+        print(f"accel-xla-fsdp launch: error: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # every argument after it is Accelerate's parser's
+        return _launch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -62,6 +62,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("hf_trainer.arguments", "hf_trainer.resume"),
     ("hf_trainer.trainer",),
     ("hf_trainer",),
+    ("launcher",),  # accel-xla-fsdp launch: both rooms' names pointed at the engine
     ("cli",),
     ("",),  # the package's __init__
     ("__main__",),

@@ -6,7 +6,7 @@ tensor), 4 only where the test is about more replicas than that (resharding 4 ->
 4 replica threads), 1 never on its own (a single device shards nothing the 2-device runs do not).
 Left out: the compiled-byte tests of test_memory.py (each compiles a dozen programs in a process
 of its own, 40 s and more), the 4-replica launches of test_accelerate.py, test_launch.py,
-test_trainer.py, test_trainer_tasks.py and test_replica_failure.py, the fuzz and the killed saves.
+test_trainer.py, test_trainer_tasks.py, test_trl.py and test_replica_failure.py, the fuzz and the killed saves.
 The full suite (`bash scripts/test.sh`, CI) runs every test at 1, 2 and 4 devices and all of those;
 run it before committing.
 
@@ -132,6 +132,16 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ("test_replica_datasets.py::test_replica_threads_take_turns_through_tqdm_lock", "xla_cpu/tqdm_lock.py"),
     ("test_trainer.py::test_fsdp_config_keys_mean_what_the_trainer_documents", "hf_trainer/arguments.py"),
     ("test_trainer.py::test_what_xla_fsdp_does_not_take_is_refused_by_name", "hf_trainer/arguments.py errors"),
+    (
+        "test_trl.py::test_the_mixin_finds_the_training_arguments_wherever_they_are",
+        "hf_trainer/trainer.py: XlaFsdpTrainerMixin, any signature (DPO's)",
+    ),
+    ("test_trl.py::test_every_trainer_class_gets_the_mixin_in_front_once", "what the launcher does to every Trainer"),
+    (
+        "test_trl.py::test_trl_batches_of_new_lengths_are_padded_or_refused",
+        "hf_trainer/arguments.py: TRL's batch shapes",
+    ),
+    ("test_trl.py::test_a_script_that_uses_spmd_is_refused_at_start", "launcher.py: refused at start"),
     ("test_trainer_resume.py", "hf_trainer/resume.py: resume skips an incomplete checkpoint-N, on disk"),
     ("test_docs.py", "the settings table and the docs' links"),
     ("test_quick_tier.py", "this selection"),

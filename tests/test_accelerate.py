@@ -174,3 +174,27 @@ def test_bf16_computes_in_bf16_and_tracks_fp32(tmp_path) -> None:
     torch.testing.assert_close(losses, torch.tensor(reference["losses"]), rtol=1e-2, atol=0)
     assert not torch.allclose(losses, torch.tensor(reference["losses"]), rtol=1e-6, atol=0), "bf16 must differ"
     assert {v.dtype for v in run["params"].values()} == {torch.float32}, "master weights stay fp32"
+
+
+def test_the_stock_script_under_accel_xla_fsdp_launch_is_the_same_run(unbroken, tmp_path) -> None:
+    """accelerate_train.py with ``from accelerate import Accelerator`` (its import reverted), through
+    ``accel-xla-fsdp launch`` with the same arguments: the run of the one-line import, bit for bit."""
+    text = (ROOT / "tests" / "accelerate_train.py").read_text()
+    ours = "from accel_xla_fsdp import Accelerator, seeded\n"
+    assert text.count(ours) == 1
+    stock = tmp_path / "accelerate_train.py"
+    stock.write_text(text.replace(ours, "from accelerate import Accelerator\n\nfrom accel_xla_fsdp import seeded\n"))
+    out = tmp_path / "run.json"
+    command = [str(ACCELERATE.parent / "accel-xla-fsdp"), "launch", "--config_file", str(CPU_CONFIG), str(stock)]
+    command += ["--out", str(out), "--project", str(tmp_path / "project"), "--steps", str(STEPS)]
+    command += ["--accum", str(ACCUM), "--save-at", str(SAVE_AT)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    launched = json.loads(out.read_text())
+    assert launched["flatten_parameters"] and launched["steps"] == unbroken["steps"]
+    params = load_file(str(out.with_suffix(".safetensors")))
+    assert set(params) == set(unbroken["params"])
+    for name, value in params.items():
+        assert torch.equal(value, unbroken["params"][name]), name

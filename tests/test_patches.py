@@ -17,8 +17,8 @@ from accel_xla_fsdp.xla_cpu.patches import PATCHES, Platforms
 
 HERE = Path(__file__).resolve().parent
 # Found by scanning modules and classes for our functions: every target but the root logger's
-# handler list, which holds a list, not a function of ours.
-NOT_FUNCTIONS = {"logging:root.handlers"}
+# handler list, which holds a list, and the names that hold our Accelerator class, not functions of ours.
+NOT_FUNCTIONS = {"logging:root.handlers", "accelerate:Accelerator", "accelerate.accelerator:Accelerator"}
 
 
 def _check(platform: str) -> Dict[str, List[str]]:

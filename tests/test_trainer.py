@@ -344,3 +344,24 @@ def test_fp16_is_refused() -> None:
     args.fp16 = True  # TrainingArguments itself refuses fp16 without a GPU
     with pytest.raises(ValueError, match="fp16=True.*use bf16=True"):
         check_precision(args)
+
+
+def test_the_stock_script_under_accel_xla_fsdp_launch_is_the_same_run(runs, tmp_path) -> None:
+    """trainer_train.py with its import reverted to ``from transformers import Trainer``, through
+    ``accel-xla-fsdp launch`` (the same arguments): the run of the one-line import, bit for bit."""
+    stock = tmp_path / "trainer_train.py"
+    text = SCRIPT.read_text()
+    assert text.count("    from accel_xla_fsdp import Trainer\n") == 1
+    stock.write_text(
+        text.replace("    from accel_xla_fsdp import Trainer\n", "    from transformers import Trainer\n")
+    )
+    command = [str(BIN / "accel-xla-fsdp"), "launch", "--config_file", str(CPU_CONFIG), str(stock)]
+    command += ["--model", str(runs["tmp"] / "model"), "--output-dir", str(tmp_path / "out")]
+    command += ["--out", str(tmp_path / "run.json"), "--save-total-limit", "2"]
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env["PYTHONPATH"]])  # tiny_llama
+    launched = _run(command, env, tmp_path / "run.json")
+    assert launched["flatten_parameters"] is True  # our Accelerator's plugin, from the config file
+    for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
+        assert by_step(launched, key) == by_step(runs["xla"], key), key
+    assert launched["final"]["eval_loss"] == runs["xla"]["final"]["eval_loss"]

@@ -226,6 +226,9 @@ def _refuse_unprepared_forward(module: nn.Module, args: Any) -> None:
 
 
 def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
+    if kwargs.get("device_map") == "auto":
+        # "place it where it fits", which prepare() does: TRL's create_model_from_path asks for it off the CPU.
+        kwargs["device_map"] = None
     given = [name for name in _UNSUPPORTED_ARGUMENTS if kwargs.get(name) is not None]
     if given:
         raise ValueError(

@@ -7,8 +7,8 @@ from Accelerate, which dispatch to ours for our Trainers only.
 """
 
 from ..xla_cpu import patches
-from .trainer import Seq2SeqTrainer, Trainer
+from .trainer import Seq2SeqTrainer, Trainer, XlaFsdpTrainerMixin
 
 patches.install(patches.Stage.TRAINER)
 
-__all__ = ["Trainer", "Seq2SeqTrainer"]
+__all__ = ["Trainer", "Seq2SeqTrainer", "XlaFsdpTrainerMixin"]

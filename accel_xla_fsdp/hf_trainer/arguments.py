@@ -93,3 +93,33 @@ def _setting_for(argument: str) -> str:
             f"fsdp_config['xla_fsdp_settings']['{argument}'] is not an XLA FSDP argument offered here; valid: {valid}"
         )
     return name
+
+
+# Batches padded to a multiple of this many tokens (at most max_length): what TRL does on Neuron,
+# which like XLA compiles a program per input shape.
+PAD_MULTIPLE = 128
+
+
+def fixed_shapes(args: Any) -> Optional[str]:
+    """TRL's data settings made to give a bounded number of batch shapes (``args`` is the Trainer's
+    own copy); what was changed, for the log, or None. Refused: the flattened batches made for
+    FlashAttention (``padding_free``, and BFD packing, which turns it on), one new shape a step.
+
+    TRL pads each batch to its longest row (``pad_to_multiple_of="auto"`` is None off Neuron): on XLA
+    every new length is a new program, and on XLA:CPU replicas whose rows differ compile programs of
+    their own, each in its turn, which aborts the run at the first collective (seen)."""
+    packing_strategy = getattr(args, "packing_strategy", None)
+    if getattr(args, "padding_free", False) or (getattr(args, "packing", False) and packing_strategy != "wrapped"):
+        setting = (
+            "padding_free=True" if getattr(args, "padding_free", False) else f"packing_strategy={packing_strategy!r}"
+        )
+        raise ValueError(
+            f"{type(args).__name__}({setting}) flattens each batch into one row of a new length every step (made for "
+            "FlashAttention): on XLA each is a new program. Use packing=True with packing_strategy='wrapped' (fixed "
+            "rows of max_length tokens), or packing=False with padding_free=False"
+        )
+    if not hasattr(args, "pad_to_multiple_of") or args.pad_to_multiple_of is not None:
+        return None
+    max_length = getattr(args, "max_length", None)
+    args.pad_to_multiple_of = min(PAD_MULTIPLE, max_length) if max_length else PAD_MULTIPLE
+    return f"pad_to_multiple_of={args.pad_to_multiple_of} (was None: one program per batch length)"

@@ -1,7 +1,10 @@
 """``transformers``' ``Trainer`` and ``Seq2SeqTrainer`` on accel_xla_fsdp's ``Accelerator``.
 
 A Trainer script changes its import (``from accel_xla_fsdp import Trainer``) and runs under
-``accelerate launch --config_file plugins/xla_fsdp_cpu.yaml``. What differs from the stock
+``accelerate launch --config_file plugins/xla_fsdp_cpu.yaml``, or runs unchanged under
+``accel-xla-fsdp launch``, which puts ``XlaFsdpTrainerMixin`` in front of every Trainer's class
+(``with_mixin_new``, xla_cpu/patches.py); a subclass of any Trainer takes the mixin itself
+(``class MyTrainer(XlaFsdpTrainerMixin, trl.DPOTrainer)``). What differs from the stock
 classes (transformers 5.24), and why:
 
 - The Trainer builds its ``Accelerator`` itself (``create_accelerator_and_postprocess``); here it
@@ -43,7 +46,7 @@ from ..checkpoint import CheckpointError, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 from ..hf_accelerate.accelerator import Accelerator, XlaDataLoader
 from ..xla_cpu.rendezvous import agree
-from .arguments import check_precision, plugin_from_training_args
+from .arguments import check_precision, fixed_shapes, plugin_from_training_args
 from .resume import SHARDED_DIR, incomplete_reason, is_newest, newest_complete
 
 logger = get_logger(__name__)
@@ -52,6 +55,8 @@ _building = threading.local()  # the plugin of the Trainer building its Accelera
 # and clears: XLA:CPU replica threads loading at once cleared each other's, and a replica failed
 # to unpickle NumPy's state (seen). One replica at a time reads them.
 _rng_files = threading.Lock()
+# Accelerate's own class (under accel-xla-fsdp launch, ``accelerate.Accelerator`` is ours).
+_STOCK_ACCELERATOR = Accelerator.__bases__[0]
 
 
 def _accelerator(*args: Any, **kwargs: Any) -> accelerate.Accelerator:
@@ -59,7 +64,7 @@ def _accelerator(*args: Any, **kwargs: Any) -> accelerate.Accelerator:
     building one), Accelerate's for any other. The Trainer's own ``fsdp_plugin`` (built from
     ``fsdp_config`` for GPUs) is replaced by the ``XlaFsdpPlugin`` made from the same settings."""
     if not getattr(_building, "active", False):
-        return accelerate.Accelerator(*args, **kwargs)
+        return _STOCK_ACCELERATOR(*args, **kwargs)
     kwargs["fsdp_plugin"] = _building.plugin
     return Accelerator(*args, **kwargs)
 
@@ -82,23 +87,24 @@ def skip_first_batches_dispatch(original: Any) -> Any:
     return _skip_first_batches
 
 
-class _OnXlaFsdp:
-    """What ``Trainer`` and ``Seq2SeqTrainer`` change to run on accel_xla_fsdp's engine."""
+class XlaFsdpTrainerMixin:
+    """What a ``transformers.Trainer`` subclass needs to run on accel_xla_fsdp's engine, put in
+    front of it: ``class MyTrainer(XlaFsdpTrainerMixin, trl.DPOTrainer)``. Every argument passes
+    through untouched, whatever the subclass's signature, but for its ``TrainingArguments``
+    (wherever it is: DPO's come third), which the subclass receives as a copy whose ``fsdp`` is off,
+    its settings taken over by the engine. Under ``accel-xla-fsdp launch`` every Trainer gets it
+    without being asked (``mixin_new``)."""
 
-    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        if args is not None:
-            check_precision(args)
-            self._xla_fsdp_plugin = plugin_from_training_args(args)
-            args = copy.copy(args)  # the caller's arguments stay as given
-            args.fsdp, args.fsdp_plugin_args = False, None
-        else:
-            self._xla_fsdp_plugin = None
-        super().__init__(model, args, *rest, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        args, kwargs, training_args = _training_args_taken_over(args, kwargs)
+        self._xla_fsdp_plugin = None if training_args is None else plugin_from_training_args(training_args)
+        super().__init__(*args, **kwargs)
         # Counted now: once sharded, the model's own parameters hold no data (size 0).
         counter = getattr(self.model, "num_parameters", None)
         self._parameter_count = counter(exclude_embeddings=True) if callable(counter) else None
 
     def create_accelerator_and_postprocess(self) -> None:
+        check_precision(self.args)  # also the arguments a subclass made itself (TRL's, given none)
         _building.active, _building.plugin = True, self._xla_fsdp_plugin
         try:
             super().create_accelerator_and_postprocess()
@@ -217,12 +223,8 @@ class _OnXlaFsdp:
         load_sharded(model, None, os.path.join(self.state.best_model_checkpoint, SHARDED_DIR))
 
 
-class Trainer(_OnXlaFsdp, transformers.Trainer):
-    """``transformers.Trainer`` training with XLA FSDP (module docstring)."""
-
-
-class Seq2SeqTrainer(_OnXlaFsdp, transformers.Seq2SeqTrainer):
-    """``transformers.Seq2SeqTrainer`` training with XLA FSDP (module docstring)."""
+class _GenerateSharded:
+    """``Seq2SeqTrainer``'s ``predict_with_generate`` through the sharded model."""
 
     def prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **gen_kwargs: Any
@@ -237,3 +239,62 @@ class Seq2SeqTrainer(_OnXlaFsdp, transformers.Seq2SeqTrainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
         finally:
             self.model = unwrapped
+
+
+class Trainer(XlaFsdpTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training with XLA FSDP (module docstring)."""
+
+
+class Seq2SeqTrainer(XlaFsdpTrainerMixin, _GenerateSharded, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` training with XLA FSDP (module docstring)."""
+
+
+def _training_args_taken_over(
+    args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[transformers.TrainingArguments]]:
+    """``args``/``kwargs`` with their ``TrainingArguments`` (found by type, not position) replaced by
+    a copy whose ``fsdp`` is off, and the original (None if there is none: the subclass makes its own)."""
+    found = [(i, a) for i, a in enumerate(args) if isinstance(a, transformers.TrainingArguments)]
+    found += [(k, v) for k, v in kwargs.items() if isinstance(v, transformers.TrainingArguments)]
+    if not found:
+        return args, kwargs, None
+    where, given = found[0]
+    check_precision(given)
+    taken = copy.copy(given)  # the caller's arguments stay as given
+    taken.fsdp, taken.fsdp_plugin_args = False, None
+    changed = fixed_shapes(taken)
+    if changed is not None:
+        logger.warning(f"XLA FSDP: {type(given).__name__} {changed}", main_process_only=True)
+    if isinstance(where, int):
+        return (*args[:where], taken, *args[where + 1 :]), kwargs, given
+    return args, {**kwargs, where: taken}, given
+
+
+_with_mixin: Dict[type, type] = {}
+_with_mixin_lock = threading.Lock()
+
+
+def with_mixin(cls: type) -> type:
+    """``cls`` with ``XlaFsdpTrainerMixin`` in front (and the Seq2Seq generation for Seq2Seq trainers),
+    made once per class; ``cls`` itself if it has the mixin."""
+    if issubclass(cls, XlaFsdpTrainerMixin):
+        return cls
+    with _with_mixin_lock:
+        if cls not in _with_mixin:
+            mixins = (XlaFsdpTrainerMixin,)
+            if issubclass(cls, transformers.Seq2SeqTrainer):
+                mixins += (_GenerateSharded,)
+            made = type(cls.__name__, (*mixins, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            _with_mixin[cls] = made
+        return _with_mixin[cls]
+
+
+def mixin_new(original: Any) -> Any:
+    """The patch of ``transformers.Trainer.__new__`` under ``accel-xla-fsdp launch`` (xla_cpu/patches.py)."""
+    return with_mixin_new
+
+
+def with_mixin_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``transformers.Trainer.__new__`` under the launcher: an instance of ``with_mixin(cls)``, which
+    Python then initializes with that class's ``__init__`` (the mixin's, then ``cls``'s)."""
+    return object.__new__(with_mixin(cls))

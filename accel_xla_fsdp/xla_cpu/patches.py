@@ -19,6 +19,9 @@ When (``Stage``):
 * ``TRAINER``, at the import of the Trainer room (``accel_xla_fsdp.Trainer``): the two names
   ``transformers.trainer`` took from Accelerate. Not before: importing ``transformers.trainer``
   costs seconds.
+* ``LAUNCHER``, under ``accel-xla-fsdp launch`` only, in every replica process before the script
+  is run (launcher.py, after both rooms' stages): Accelerate's and transformers'
+  names pointed at the engine, so that the script and the libraries it imports (TRL) need no change.
 * ``PEFT_LOAD``, at the first ``from_pretrained`` that ``fsdp_cpu_ram_efficient_loading`` defers:
   PEFT's adapter placement, only ever reached after such a load. Importing PEFT to patch it
   earlier would cost every run seconds.
@@ -50,6 +53,7 @@ class Stage(enum.Enum):
     PACKAGE = "import accel_xla_fsdp"
     ACCELERATE = "import of the Accelerate room (accel_xla_fsdp.Accelerator)"
     TRAINER = "import of the Trainer room (accel_xla_fsdp.Trainer)"
+    LAUNCHER = "accel-xla-fsdp launch, in each replica process before the script runs"
     PEFT_LOAD = "first from_pretrained deferred by fsdp_cpu_ram_efficient_loading"
 
 
@@ -80,6 +84,7 @@ _SEEDS = "accel_xla_fsdp.xla_cpu.seeds"
 _LOADING = "accel_xla_fsdp.hf_accelerate.pretrained_loading"
 _TRAINER = "accel_xla_fsdp.hf_trainer.trainer"
 _LOGGING = "accel_xla_fsdp.xla_cpu.script_logging"
+_LAUNCHER = "accel_xla_fsdp.launcher"
 
 _SEED_WHY = (
     "replica threads share torch's one CPU generator: set_seed(42) in every replica then from_config gave "
@@ -229,6 +234,46 @@ PATCHES: Tuple[Patch, ...] = (
         "dataloaders skip their own batches, any other is Accelerate's",
         Platforms.EVERY,
         Stage.TRAINER,
+    ),
+    Patch(
+        "accelerate:Accelerator",
+        f"{_LAUNCHER}:our_accelerator",
+        "a stock Accelerate script's `from accelerate import Accelerator` gets accel_xla_fsdp's",
+        Platforms.EVERY,
+        Stage.LAUNCHER,
+    ),
+    Patch(
+        "accelerate.accelerator:Accelerator",
+        f"{_LAUNCHER}:our_accelerator",
+        "the same name imported from its module (`from accelerate.accelerator import Accelerator`)",
+        Platforms.EVERY,
+        Stage.LAUNCHER,
+    ),
+    Patch(
+        "transformers.trainer:Trainer.__new__",
+        f"{_TRAINER}:mixin_new",
+        "every Trainer, of any class (TRL's, defined at its import; a user's subclass), is built as its class "
+        "with XlaFsdpTrainerMixin in front (made once per class): replacing the name transformers.Trainer would "
+        "miss classes defined before, and clash with a subclass that takes the mixin itself",
+        Platforms.EVERY,
+        Stage.LAUNCHER,
+    ),
+    Patch(
+        "builtins:__import__",
+        f"{_LAUNCHER}:one_import_at_a_time",
+        "every replica thread runs the script's imports: a thread waiting for a module that replaces itself in "
+        "sys.modules (TRL's lazy module) was handed the module it replaced, `cannot import name 'SFTConfig' "
+        "from 'trl'` (seen, 4 replicas); one import statement at a time",
+        Platforms.XLA_CPU,
+        Stage.LAUNCHER,
+    ),
+    Patch(
+        "torch_xla.runtime:use_spmd",
+        f"{_LAUNCHER}:refusing_spmd",
+        "SPMD partitions one global device, which cannot run beside our replica per device: refused with why, "
+        "when a library calls it (the launcher refuses a script that does before it starts)",
+        Platforms.EVERY,
+        Stage.LAUNCHER,
     ),
     Patch(
         "peft.tuners.tuners_utils:BaseTunerLayer._move_adapter_to_device_of_base_layer",

@@ -28,6 +28,10 @@ def taking_turns(original: Callable[..., Any]) -> Callable[..., Any]:
             with original(*args, **kwargs) as lock:
                 yield lock
             return
+        # A lock made now is kept for good: tqdm deletes one it made on leaving, while another replica's
+        # progress bar (datasets' download, outside thread_map) was closing with it: AttributeError:
+        # type object 'tqdm' has no attribute '_lock' (seen, TRL's sft.py on 4 replicas).
+        (args[0] if args else kwargs["tqdm_class"]).get_lock()
         with _TURN, original(*args, **kwargs) as lock:
             yield lock
 
