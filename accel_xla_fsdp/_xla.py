@@ -8,8 +8,10 @@ is ``xla_cpu/``; which torch_xla names it replaces, and why, is its patch table
 (``xla_cpu/patches.py``).
 
 [Note: collective forms]
-On a TPU we issue collectives exactly as torch_xla's own FSDP has for years: ``xm.all_gather``,
-``xm.reduce_scatter`` and ``xm.all_reduce`` with ``groups`` and ``pin_layout``, no channel id.
+On a TPU we issue torch_xla's collectives (``xm.all_gather``, ``xm.reduce_scatter``, its
+all-reduce) with explicit ``groups`` and ``pin_layout``, no channel id, in the shapes the TPU
+compiler keeps as all-gathers and reduce-scatters ([Note: TPU reduce-scatter shapes]; checked by
+compiling for TPU topologies, docs/tpu.md). ``tracing_replica`` traces that form here.
 On XLA:CPU devices that form hangs: XLA:CPU matches the participants of a collective by an op id
 which, without a channel id, is the compiled module's unique id, different in every replica thread.
 So on the CPU every collective carries a channel id, numbered per traced graph in trace order
@@ -21,9 +23,11 @@ no working all-reduce at all: we build it from an all-gather and a local reducti
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch_xla
@@ -41,17 +45,76 @@ Groups = Optional[List[List[int]]]
 _platform: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class TracedReplica:
+    """What ``tracing_replica`` makes this process trace as: ``rank`` of ``world_size`` replicas
+    of ``platform``."""
+
+    platform: str
+    rank: int
+    world_size: int
+
+
+_traced: Optional[TracedReplica] = None
+# Collectives traced in the platform's own form since the last graph cut (see tracing_replica).
+_foreign_collectives = 0
+
+
+@contextlib.contextmanager
+def tracing_replica(rank: int, world_size: int, platform: str = "TPU") -> Iterator[TracedReplica]:
+    """Trace, on this process's XLA:CPU device, the program replica ``rank`` of ``world_size``
+    would trace on ``platform``: its collectives in that platform's form, shards sized for
+    ``world_size``. Nothing with such a collective runs: a graph cut that would launch one raises
+    (export the pending graph instead: ``tpu_program.export_step``). Graphs without collectives
+    (wrapping's sharding, creating optimizer state) run as usual.
+
+    One replica at a time, from the process's main thread, outside any replica run.
+    """
+    global _traced, _foreign_collectives
+    if _traced is not None:
+        raise RuntimeError(f"already tracing as {_traced}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of world_size {world_size} replicas")
+    _traced, _foreign_collectives = TracedReplica(platform.upper(), rank, world_size), 0
+    try:
+        yield _traced
+    finally:
+        _traced, _foreign_collectives = None, 0
+
+
+def traced_graph_exported() -> None:
+    """The pending graph's collectives went into an exported program, whose tensors the caller
+    drops: a later graph cut may run (``tpu_program.export_step`` calls this)."""
+    global _foreign_collectives
+    _foreign_collectives = 0
+
+
 def platform() -> str:
-    """The PJRT device type of this process: ``"CPU"``, ``"TPU"``, ...
+    """The PJRT device type of this process: ``"CPU"``, ``"TPU"``, ... (under
+    ``tracing_replica``, the platform traced for).
 
     Read from ``PJRT_DEVICE`` (importing torch_xla sets it when it is unset), so asking does not
     start the runtime: a launcher can ask before it starts the device processes. Read once: every
     collective and gather asks, and a process keeps its device type.
     """
     global _platform
+    if _traced is not None:
+        return _traced.platform
     if not _platform:
         _platform = (xr.device_type() or "").upper()
     return _platform
+
+
+def check_graph_cut() -> None:
+    """At a graph cut under ``tracing_replica``: refuse to run a graph holding collectives of
+    the traced platform's form, which this device cannot run (``xla_cpu/graph_boundaries.py``
+    calls this at every cut)."""
+    if _foreign_collectives:
+        raise RuntimeError(
+            f"a graph holding {_foreign_collectives} collective(s) in {_traced.platform} form was cut while "
+            f"tracing as {_traced}: it cannot run here. Export the pending step instead "
+            "(accel_xla_fsdp.tpu_program.export_step) before any sync."
+        )
 
 
 def on_cpu() -> bool:
@@ -68,20 +131,23 @@ def is_xla_device(dev: torch.device) -> bool:
 
 
 def global_rank() -> int:
-    return xr.global_ordinal()
+    return _traced.rank if _traced is not None else xr.global_ordinal()
 
 
 def world_size() -> int:
-    return xr.world_size()
+    return _traced.world_size if _traced is not None else xr.world_size()
 
 
 def default_shard_size_multiple() -> int:
     """Pad each replica's shard to a multiple of this many elements.
 
-    On a TPU, torch_xla pads to 128 and gathers 2-D (-1, 128) tiles, which it found efficient
-    (pytorch/xla#3510); we keep that proven form there. Elsewhere padding only costs memory.
+    On a TPU, 2048: whole (16, 128) tiles, the TPU's tile of 16-bit values (two of f32's (8, 128)).
+    torch_xla pads to 128 and gathers (-1, 128) rows (pytorch/xla#3510); a gradient's reduce-scatter
+    then stays one only when each replica's part is whole tiles, else the TPU compiler makes it an
+    all-reduce, twice the traffic ([Note: TPU reduce-scatter shapes]). Elsewhere padding only
+    costs memory.
     """
-    return 128 if platform() == "TPU" else 1
+    return TPU_SHARD_MULTIPLE if platform() == "TPU" else 1
 
 
 def cpu_device_env(num_devices: int) -> dict:
@@ -255,8 +321,38 @@ def set_rng_state(seed: int, dev: torch.device) -> None:
 # Collectives (see [Note: collective forms])
 
 
-def _cpu_groups(groups: Groups) -> List[List[int]]:
+def _explicit_groups(groups: Groups) -> List[List[int]]:
+    """``groups``, or the one group of every replica: spelled out, so that torch_xla never asks
+    its runtime for the world size (under ``tracing_replica`` that is not the traced one)."""
     return groups if groups is not None else [list(range(world_size()))]
+
+
+def _native_collective() -> None:
+    """Count a collective traced in the platform's own form (see ``tracing_replica``)."""
+    global _foreign_collectives
+    if _traced is not None:
+        _foreign_collectives += 1
+
+
+def _all_gather_pinned(tensor: torch.Tensor, groups: List[List[int]]) -> torch.Tensor:
+    """torch_xla's pinned all-gather (``xm.all_gather(..., pin_layout=True)``): this replica's
+    ``tensor`` zero-padded to its place in the full tensor, summed over the group by a pinned
+    all-reduce. Written here so that the place comes from ``global_rank()``, which
+    ``tracing_replica`` sets (torch_xla's reads its runtime's ordinal)."""
+    position = next(g.index(global_rank()) for g in groups if global_rank() in g)
+    size, count = tensor.size(0), len(groups[0])
+    pad = [0, 0] * (tensor.dim() - 1) + [position * size, (count - 1 - position) * size]
+    padded = torch.nn.functional.pad(tensor, pad)
+    return _native_all_reduce(xm.REDUCE_SUM, padded, groups, pin_layout=True)
+
+
+def _native_all_reduce(
+    reduce_type: str, tensor: torch.Tensor, groups: List[List[int]], pin_layout: bool
+) -> torch.Tensor:
+    """What ``xm.all_reduce`` traces for one tensor and explicit groups. Called directly because
+    ``xm.all_reduce`` returns its input unreduced when its runtime has one replica, as this
+    process's does under ``tracing_replica``."""
+    return torch_xla._XLAC._xla_all_reduce(reduce_type, tensor, 1.0, groups, pin_layout)
 
 
 def all_gather(tensor: torch.Tensor, groups: Groups, pin_layout: bool) -> torch.Tensor:
@@ -265,11 +361,15 @@ def all_gather(tensor: torch.Tensor, groups: Groups, pin_layout: bool) -> torch.
         # What xm.all_gather calls for one tensor without pinning, with the same arguments. It
         # first fetches the all-reduce token, which that path never uses: a traced device-data
         # node per call, a third of the call's host time, paid twice per parameter and step.
-        groups = _cpu_groups(groups)
+        groups = _explicit_groups(groups)
         return torch_xla._XLAC._xla_all_gather(
             tensor, 0, len(groups[0]), groups, False, _next_channel_id(tensor), True
         )
-    return xm.all_gather(tensor, dim=0, groups=groups, pin_layout=pin_layout)
+    _native_collective()
+    groups = _explicit_groups(groups)
+    if pin_layout:
+        return _all_gather_pinned(tensor, groups)
+    return xm.all_gather(tensor, dim=0, groups=groups, pin_layout=False)
 
 
 def reduce_scatter_sum(
@@ -283,11 +383,21 @@ def reduce_scatter_sum(
             scale=scale,
             scatter_dim=0,
             shard_count=shard_count,
-            groups=_cpu_groups(groups),
+            groups=_explicit_groups(groups),
             pin_layout=False,
             channel_id=_next_channel_id(tensor),
             use_global_device_ids=True,
         )
+    groups = _explicit_groups(groups)
+    if tensor.dim() == 1 and tensor.numel() % (shard_count * TPU_ROW) == 0:
+        return _reduce_scatter_rows(tensor, shard_count, scale, groups, pin_layout).view(-1)
+    return _native_reduce_scatter(tensor, shard_count, scale, groups, pin_layout)
+
+
+def _native_reduce_scatter(
+    tensor: torch.Tensor, shard_count: int, scale: float, groups: List[List[int]], pin_layout: bool
+) -> torch.Tensor:
+    _native_collective()
     return xm.reduce_scatter(
         xm.REDUCE_SUM,
         tensor,
@@ -297,6 +407,40 @@ def reduce_scatter_sum(
         groups=groups,
         pin_layout=pin_layout,
     )
+
+
+# [Note: TPU reduce-scatter shapes]
+# What the TPU compiler (libtpu 0.0.42.1, v4 and v5e; scripts/tpu_collective_probe.py, docs/tpu.md)
+# keeps as a reduce-scatter: a 1-D operand never (it becomes an all-reduce, twice the ring
+# traffic, at every size tried); the same elements as (-1, 128) rows mostly do, pinned or not,
+# when each chip's part is whole (16, 128) tiles (parts of 562 or 1689 rows became all-reduces),
+# and up to 15 MiB of operand on 4 chips; not always (on 4 chips 297 tiles per chip and 16 MiB
+# became all-reduces, 300 tiles and 15 MiB did not; on 8 chips 24 and 32 MiB stayed, 28 MiB did
+# not). So a flat gradient is reduce-scattered as rows, in chunks of at most
+# TPU_REDUCE_SCATTER_CHUNK_BYTES of whole tiles; each chunk takes the same rows of every
+# replica's part, so the chunks' results, joined, are this replica's shard. Shards are padded to
+# whole tiles on a TPU (default_shard_size_multiple).
+TPU_ROW = 128
+TPU_TILE_ROWS = 16
+TPU_SHARD_MULTIPLE = TPU_TILE_ROWS * TPU_ROW
+TPU_REDUCE_SCATTER_CHUNK_BYTES = 12 << 20
+
+
+def _reduce_scatter_rows(
+    flat: torch.Tensor, shard_count: int, scale: float, groups: List[List[int]], pin_layout: bool
+) -> torch.Tensor:
+    """``flat``'s reduce-scatter as (-1, 128) rows (this replica's shard as rows)."""
+    rows = flat.view(shard_count, -1, TPU_ROW)  # replica r's part of the result is rows[r]
+    rows_per_part = rows.size(1)
+    chunks = max(1, math.ceil(flat.numel() * flat.element_size() / TPU_REDUCE_SCATTER_CHUNK_BYTES))
+    if chunks == 1:
+        return _native_reduce_scatter(flat.view(-1, TPU_ROW), shard_count, scale, groups, pin_layout)
+    step = math.ceil(rows_per_part / chunks / TPU_TILE_ROWS) * TPU_TILE_ROWS  # whole tiles per chunk
+    parts = [
+        _native_reduce_scatter(rows[:, a : a + step].reshape(-1, TPU_ROW), shard_count, scale, groups, pin_layout)
+        for a in range(0, rows_per_part, step)
+    ]
+    return torch.cat(parts)
 
 
 def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_layout: bool) -> List[torch.Tensor]:
@@ -311,7 +455,8 @@ def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_la
     if len(tensors) == 1:
         return [all_gather(tensors[0], groups, pin_layout)]
     if not on_cpu():
-        return xm.all_gather(list(tensors), dim=0, groups=groups, pin_layout=False)
+        _native_collective()
+        return xm.all_gather(list(tensors), dim=0, groups=_explicit_groups(groups), pin_layout=False)
     sizes = [t.numel() for t in tensors]
     gathered = all_gather(torch.cat([t.reshape(-1) for t in tensors]), groups, pin_layout=False)
     columns = gathered.view(-1, sum(sizes)).split(sizes, dim=1)
@@ -332,13 +477,14 @@ def reduce_scatter_sum_coalesced(
     if len(tensors) == 1:
         return [reduce_scatter_sum(tensors[0], shard_count, scale, groups, pin_layout)]
     if not on_cpu():
+        _native_collective()
         return xm.reduce_scatter(
             xm.REDUCE_SUM,
             list(tensors),
             scale=scale,
             scatter_dim=0,
             shard_count=shard_count,
-            groups=groups,
+            groups=_explicit_groups(groups),
             pin_layout=pin_layout,
         )
     rows = [t.reshape(shard_count, -1) for t in tensors]
@@ -352,5 +498,6 @@ def all_reduce(tensor: torch.Tensor, op: str, groups: Groups, pin_layout: bool) 
     if on_cpu():
         stacked = all_gather(tensor.unsqueeze(0), groups, pin_layout=False)
         return stacked.sum(0) if op == "sum" else stacked.amax(0)
+    _native_collective()
     reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
-    return xm.all_reduce(reduce_type, tensor, groups=groups, pin_layout=pin_layout)
+    return _native_all_reduce(reduce_type, tensor, _explicit_groups(groups), pin_layout)

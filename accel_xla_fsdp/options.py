@@ -117,8 +117,11 @@ class FsdpOptions:
         accelerate="xla_fsdp_shard_param_on_dim_0",
     )
     pin_layout_in_collective_ops: bool = _option(
-        True,
-        "torch_xla's layout pinning of collectives (the XLA:CPU form never pins).",
+        False,
+        "torch_xla's layout pinning of collectives: a pinned all-gather is traced as an all-reduce "
+        "of a zero-padded full tensor (twice the traffic on a TPU). Off by default: pinning guards "
+        "against replicas compiling different programs, and ours trace one (docs/tpu.md). The "
+        "XLA:CPU form never pins.",
     )
     reduce_scatter_bucket_size_mb: Optional[float] = _option(
         0,
@@ -142,8 +145,10 @@ class FsdpOptions:
     )
     shard_size_multiple: Optional[int] = _option(
         None,
-        "Pad shards to a multiple of this many elements per replica (None: 128 on a TPU, for "
-        "efficient gathers of 2-D tiles; 1 elsewhere and with shard_param_on_dim_0).",
+        "Pad shards to a multiple of this many elements per replica, gathered as rows of that "
+        "width (None: 2048 on a TPU, whole (16, 128) tiles, which its compiler keeps as "
+        "reduce-scatters where torch_xla's 128 became all-reduces (docs/tpu.md); 1 elsewhere and "
+        "with shard_param_on_dim_0).",
         argument="_shard_size_multiple",
     )
     use_xla_patched_linear: bool = _option(

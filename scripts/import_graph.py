@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # only without a circle.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
     # the platform: the adapter over torch_xla, and XLA:CPU replica threads behaving as processes
-    ("xla_cpu.replica_run",),
+    ("xla_cpu.replica_run", "tpu_compiler"),  # tpu_compiler imports nothing of ours (run in .tpu-venv)
     ("_xla",),
     ("xla_cpu.graph_boundaries",),
     ("xla_cpu.rendezvous",),
@@ -43,6 +43,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("state_dict",),
     ("construction",),
     ("fsdp",),
+    ("tpu_program",),  # the TPU program of a step, traced here (docs/tpu.md)
     # checkpoints
     ("checkpoint.errors",),
     ("checkpoint.files",),

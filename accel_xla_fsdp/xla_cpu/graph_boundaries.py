@@ -159,6 +159,7 @@ def _step_marker(*args: Any, **kwargs: Any) -> None:
     when the process runs several replica threads, and restarting the channel-id numbering."""
     for callback in _graph_cut_callbacks:
         callback()
+    _xla.check_graph_cut()  # under _xla.tracing_replica: nothing of the traced platform runs here
     if not _xla.on_cpu():
         torch_xla_step_marker(*args, **kwargs)
         return

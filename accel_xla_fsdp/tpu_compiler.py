@@ -1,0 +1,261 @@
+"""Compile an exported program for a TPU topology with the real TPU compiler, no TPU needed.
+
+Run in the compiler's own venv (``bash scripts/ensure_tpu_venv.sh`` makes ``.tpu-venv``), as a
+file, never imported by the library: it imports JAX and libtpu and no torch (torch_xla and jaxlib
+each carry an XLA), and nothing from this package.
+
+    .tpu-venv/bin/python accel_xla_fsdp/tpu_compiler.py STEP.hlo --topology v5e-4 [--json]
+
+Prints per chip: the compiler's memory plan (argument, output, alias, temp, generated code, and
+peak = argument + output - alias + temp) and the collectives of the optimized program, each kind
+with its count, its bytes and its traffic per the ring model. How the TPU compiler is driven is
+in /work/shared/notes/tpu-compiler.md and docs/tpu.md.
+
+[Note: counting TPU collectives]
+The TPU compiler makes collectives asynchronous: ``all-gather-start``/``all-gather-done``, and it
+runs some (v5e) as a chain of fusions (start, continuations, done), each of whose bodies holds
+the collective again, marked ``chain_id="k"``. So a collective is counted by its ``-done`` (or
+its synchronous opcode), once per chain id, else once per distinct instruction text (which names
+its operands, and is the same wherever a computation is printed again). Its bytes
+are those of the full (unsharded) tensor: an all-gather's or an all-reduce's result (a tuple when
+the compiler combined several), a reduce-scatter's result times the group size (the optimized HLO
+prints operands without their shapes).
+
+Traffic per the ring model, per chip, for a group of n: an all-gather or a reduce-scatter of a
+full tensor of S bytes sends (n - 1) / n * S; an all-reduce sends twice that (a reduce-scatter,
+then an all-gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+# name -> (topology_name, chip_config_name): the slices users rent, by chips. A "v4-8" is 4 chips
+# of two cores each, "megacore" making each chip one device, as on a real v4 slice.
+TOPOLOGIES: Dict[str, Tuple[str, Optional[str]]] = {
+    "v4-8": ("v4:2x2x1", "megacore"),
+    "v4-16": ("v4:2x2x2", "megacore"),
+    "v5e-4": ("v5e:2x2", None),
+    "v5e-8": ("v5e:2x4", None),
+    "v5p-8": ("v5p:2x2x1", "megacore"),
+    "v6e-4": ("v6e:2x2", None),
+    "v6e-8": ("v6e:2x4", None),
+}
+
+# Per chip, bytes of high-bandwidth memory (Google Cloud's TPU docs).
+HBM_BYTES = {"v4": 32 << 30, "v5e": 16 << 30, "v5p": 95 << 30, "v6e": 32 << 30}
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_ARRAY = re.compile(r"\b(?P<dtype>pred|[sufb]f?\d+)\[(?P<dims>[0-9,]*)\]")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<opcode>[a-z][a-z0-9-]*)\((?P<rest>.*)$"
+)
+_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\][^,\s]*)")
+_CHAIN = re.compile(r'chain_id="(\d+)"')
+_KINDS = {
+    "all-gather": "all-gather",
+    "all-gather-done": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-done": "reduce-scatter",
+    "all-reduce": "all-reduce",
+    "all-reduce-done": "all-reduce",
+    "all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-done": "collective-permute",
+}
+_STARTS = {"all-gather-start", "all-reduce-start", "collective-permute-start", "reduce-scatter-start"}
+
+
+@dataclass
+class CollectiveKind:
+    count: int = 0
+    bytes: int = 0  # the full (unsharded) tensors they gather, scatter or reduce
+    ring_bytes: float = 0.0  # sent per chip, ring model
+
+
+@dataclass
+class Report:
+    topology: str
+    chips: int
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    code: int
+    peak: int
+    hbm: int
+    collectives: Dict[str, CollectiveKind] = field(default_factory=dict)
+
+    @property
+    def ring_bytes(self) -> float:
+        return sum(c.ring_bytes for c in self.collectives.values())
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ring_bytes": self.ring_bytes}
+
+
+def _array_bytes(shape: str) -> List[int]:
+    return [_DTYPE_BYTES.get(m["dtype"], 4) * _numel(m["dims"]) for m in _ARRAY.finditer(shape)]
+
+
+def _numel(dims: str) -> int:
+    n = 1
+    for d in dims.split(","):
+        if d:
+            n *= int(d)
+    return n
+
+
+def _group_size(rest: str, chips: int) -> int:
+    m = _GROUPS.search(rest)
+    if not m:
+        return chips
+    groups = m.group(1)
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    # iota form [G,n]<=[...]
+    return int(groups[1:].split("]")[0].split(",")[-1])
+
+
+def count_collectives(optimized_hlo: str, chips: int) -> Dict[str, CollectiveKind]:
+    """Each collective of the optimized program once (see [Note: counting TPU collectives])."""
+    seen = set()
+    starts: Dict[str, str] = {}  # name of a -start -> its operand text (a -done names its start)
+    kinds: Dict[str, CollectiveKind] = {}
+    lines = optimized_hlo.splitlines()
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if m and m["opcode"] in _STARTS:
+            starts[m["name"]] = line
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if not m or m["opcode"] not in _KINDS:
+            continue
+        kind = _KINDS[m["opcode"]]
+        if m["opcode"].endswith("-done"):
+            # `x-done(%x-start)`: the start names the operands and the replica groups
+            start_name = re.match(r"\s*%?([\w.\-]+)", m["rest"])
+            start = starts.get(start_name.group(1), "") if start_name else ""
+            key = start.split(" = ", 1)[-1] or m["rest"]
+            rest = start or m["rest"]
+        else:
+            key = line.split(" = ", 1)[-1]
+            rest = m["rest"]
+        chain = _CHAIN.search(rest)
+        if chain:  # one collective run as a chain of fusions (start, continuations, done)
+            key = f"{kind} chain {chain.group(1)}"
+        if key in seen:
+            continue
+        seen.add(key)
+        n = _group_size(rest, chips)
+        result = sum(_array_bytes(m["shape"]))  # a combined collective's result is a tuple
+        full = result * n if kind == "reduce-scatter" else result
+        entry = kinds.setdefault(kind, CollectiveKind())
+        entry.count += 1
+        entry.bytes += full
+        entry.ring_bytes += (2 if kind == "all-reduce" else 1) * (n - 1) / n * full
+    return kinds
+
+
+def compile_program(hlo_text: str, topology: str) -> Tuple[Report, str]:
+    """Compile ``hlo_text`` (a program of one replica: ``num_replicas`` = the topology's chips)
+    and report its memory plan and collectives; also the optimized HLO."""
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax, xla_client
+    from jax.experimental import topologies
+    from jaxlib import _hlo  # noqa: F401  (the HLO parser)
+    from jaxlib.mlir import ir
+
+    name, config = TOPOLOGIES.get(topology, (topology, None))
+    kwargs = {"chip_config_name": config} if config else {}
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs)
+    devices = topo.devices
+    chips = len(devices)
+    proto = _hlo.hlo_module_from_text(hlo_text).as_serialized_hlo_module_proto()
+    with mlir.make_ir_context():
+        module = ir.Module.parse(_jax.mlir.hlo_to_stablehlo(proto))
+        options = compiler.get_compile_options(
+            num_replicas=chips,
+            num_partitions=1,
+            device_assignment=np.array(devices, dtype=object).reshape(chips, 1),
+        )
+        options.executable_build_options.use_spmd_partitioning = False
+        executable = devices[0].client.compile(
+            module, executable_devices=xla_client.DeviceList(tuple(devices)), compile_options=options
+        )
+    stats = executable.get_compiled_memory_stats()
+    optimized = executable.hlo_modules()[0].to_string()
+    generation = name.split(":")[0]
+    report = Report(
+        topology=topology,
+        chips=chips,
+        argument=stats.argument_size_in_bytes,
+        output=stats.output_size_in_bytes,
+        alias=stats.alias_size_in_bytes,
+        temp=stats.temp_size_in_bytes,
+        code=stats.generated_code_size_in_bytes,
+        peak=stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes,
+        hbm=HBM_BYTES.get(generation, 0),
+        collectives=count_collectives(optimized, chips),
+    )
+    return report, optimized
+
+
+def format_report(report: Report) -> str:
+    mb = 1 << 20
+    lines = [
+        f"{report.topology} ({report.chips} chips), per chip:",
+        f"  argument {report.argument / mb:,.1f} MiB, output {report.output / mb:,.1f} MiB, "
+        f"alias {report.alias / mb:,.1f} MiB, temp {report.temp / mb:,.1f} MiB, code {report.code / mb:,.1f} MiB",
+        f"  peak {report.peak / mb:,.1f} MiB of {report.hbm / mb:,.0f} MiB HBM",
+    ]
+    for kind, c in sorted(report.collectives.items()):
+        lines.append(f"  {kind}: {c.count}, {c.bytes / mb:,.2f} MiB, ring traffic {c.ring_bytes / mb:,.2f} MiB")
+    lines.append(f"  ring traffic in all: {report.ring_bytes / mb:,.2f} MiB")
+    return "\n".join(lines)
+
+
+# libtpu takes /tmp/libtpu_lockfile for the whole process: one compiling process at a time on a
+# machine. Compiling processes therefore queue on a lock of their own first.
+LOCK = "/tmp/accel_xla_fsdp_tpu_compiler.lock"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("programs", nargs="+", help="HLO text files (tpu_program.export_step)")
+    parser.add_argument("--topology", action="append", required=True, help=f"{', '.join(TOPOLOGIES)} or a raw name")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--hlo-out", help="write the optimized HLO of each compile to PREFIX.<n>.txt")
+    args = parser.parse_args(argv)
+    lock = open(LOCK, "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    n = 0
+    for path in args.programs:
+        text = open(path).read()
+        for topology in args.topology:
+            report, optimized = compile_program(text, topology)
+            if args.hlo_out:
+                with open(f"{args.hlo_out}.{n}.txt", "w") as f:
+                    f.write(optimized)
+            n += 1
+            if args.json:
+                print(json.dumps({"program": path, **report.to_json()}), flush=True)
+            else:
+                print(f"{path}: {format_report(report)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""A training step's program as a TPU replica would hand it to its compiler, traced here.
+
+Under ``_xla.tracing_replica(rank, world, "TPU")`` a step traced on this process's XLA:CPU device
+is replica ``rank``'s TPU program (collectives in the TPU form, shards sized for ``world``). It is
+never run: ``export_step`` writes its HLO, which ``tpu_compiler.py`` compiles for a TPU topology in
+a process of its own (docs/tpu.md). Two things differ between the HLO torch_xla prints for pending
+tensors and the program a real TPU sync compiles, and the export puts them right:
+
+* **Aliasing.** A sync donates the buffer of every tensor it updates in place (parameters,
+  optimizer state): torch_xla's graph executor marks each such output as aliasing its input.
+  ``_get_xla_tensors_hlo`` prints no aliasing, and without it every such buffer counts twice
+  (argument and output). Which HLO parameter holds which tensor: torch_xla numbers a graph's
+  parameters in the post order of its device-data nodes, the order
+  ``_get_tensors_xla_device_data_node`` lists them in (checked against the parameters' shapes).
+* **f64.** Python scalars (learning rates, bias corrections) are traced as f64 on an XLA:CPU
+  device and as f32 on a TPU (torch_xla's ``MaybeDowncastToXlaDeviceType``: TPUs have no f64).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch_xla
+
+from . import _xla
+
+_ENTRY = re.compile(r"^ENTRY [^\n]*\((?P<params>[^)]*)\) -> ", re.M)
+_PARAM_SHAPE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
+_MODULE_LINE = re.compile(r"^HloModule (?P<name>[^\s,]+)", re.M)
+
+
+def xla_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The optimizer's state tensors that live on an XLA device (what its step updates in place)."""
+    return [
+        t
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.device.type == "xla"
+    ]
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state (AdamW's moments, ...), as after a first step.
+
+    A steady-state step reads and donates that state; the very first step creates it. Runs one
+    ``optimizer.step()`` on zero gradients and syncs: a program without collectives, which runs
+    here under ``tracing_replica`` (parameters may change: a trace reads shapes, not values).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch_xla.sync()
+
+
+class Donations:
+    """The tensors a step updates in place, recorded before it is traced (an in-place update
+    gives a tensor a new id, so the id it has now names its input buffer)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.before: Dict[int, int] = {id(t): torch_xla._XLAC._xla_get_tensor_id(t) for t in tensors}
+
+    @classmethod
+    def of_step(cls, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Donations:
+        """A training step's: the model's parameters and the optimizer's state."""
+        state = xla_tensors(optimizer) if optimizer is not None else []
+        return cls([*model.parameters(), *state])
+
+
+@dataclass(frozen=True)
+class ExportedProgram:
+    path: Path
+    parameters: int
+    outputs: int
+    aliased: int  # outputs donated their input's buffer
+
+
+def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations], path: Path) -> ExportedProgram:
+    """Write the HLO of the pending graph that computes ``outputs`` to ``path``, as a real sync
+    would compile it: each output that is a donated tensor aliases its input, f64 is f32.
+
+    ``outputs``: what the sync would materialize (the loss, the parameters, the optimizer state;
+    not gradients set to None). Nothing runs. Drop every tensor of the step afterwards (the model
+    and optimizer too): their pending graph holds collectives that cannot run here.
+    """
+    outputs = list(outputs)
+    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    param_ids, param_data = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
+    _check_parameter_order(text, param_data)
+    aliases = _aliases(outputs, param_ids, donations) if donations is not None else {}
+    text = _with_aliases(text, aliases).replace("f64[", "f32[")
+    path = Path(path)
+    path.write_text(text)
+    _xla.traced_graph_exported()
+    return ExportedProgram(path, len(param_ids), len(outputs), len(aliases))
+
+
+def _aliases(outputs: List[torch.Tensor], param_ids: Sequence[int], donations: Donations) -> Dict[int, int]:
+    """Output index -> the parameter number of the buffer it takes over."""
+    parameter_of = {tensor_id: i for i, tensor_id in enumerate(param_ids)}
+    aliases: Dict[int, int] = {}
+    for index, tensor in enumerate(outputs):
+        before = donations.before.get(id(tensor))
+        if before is not None and before in parameter_of:
+            aliases[index] = parameter_of[before]
+    return aliases
+
+
+def _check_parameter_order(text: str, param_data: Sequence[torch.Tensor]) -> None:
+    """The device-data nodes and the entry's parameters agree in count and shapes (the aliasing
+    rests on their order)."""
+    entry = _ENTRY.search(text)
+    shapes = [tuple(int(d) for d in m["dims"].split(",") if d) for m in _PARAM_SHAPE.finditer(entry["params"])]
+    data_shapes = [tuple(t.shape) for t in param_data]
+    if shapes != data_shapes:
+        raise RuntimeError(
+            "torch_xla's device-data nodes do not match the HLO's parameters "
+            f"({len(data_shapes)} against {len(shapes)}): cannot tell which buffers a sync would donate"
+        )
+
+
+def _with_aliases(text: str, aliases: Dict[int, int]) -> str:
+    if not aliases:
+        return text
+    entries = ", ".join(f"{{{out}}}: ({param}, {{}}, may-alias)" for out, param in sorted(aliases.items()))
+    return _MODULE_LINE.sub(lambda m: f"HloModule {m['name']}, input_output_alias={{ {entries} }}", text, count=1)
+
+
+def communication_floor(root: torch.nn.Module, training: bool = True, micro_batches: int = 1) -> float:
+    """The ring traffic per chip (bytes sent) below which no FSDP step of ``root`` goes: each
+    parameter gathered once per forward and, training, once again per backward unless its unit
+    keeps it (the root with ``disable_reshard_on_root``, or ``reshard_after_forward=False``), in
+    the compute dtype; each trainable gradient reduce-scattered once per step (``micro_batches``
+    minus one of them under ``no_sync``), in the reduce dtype. Tensors padded as sharded. On a
+    ring of n chips a gather or a reduce-scatter of a full tensor of S bytes sends (n - 1) / n * S.
+    """
+    total = 0.0
+    for _, unit in root.unit_state.named_units():
+        n = unit.sharding.world_size
+        options = unit.options
+        keeps = not options.reshard_after_forward or (unit.is_root and options.disable_reshard_on_root)
+        gathers = (2 if training and not keeps else 1) * micro_batches
+        for group in unit.param_groups:
+            full = group.shard.numel() * n
+            total += gathers * (n - 1) / n * full * _dtype_bytes(options.compute_dtype)
+            if training and group.requires_grad:
+                total += (n - 1) / n * full * _dtype_bytes(options.reduce_dtype)
+    return total
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

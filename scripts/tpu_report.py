@@ -1,0 +1,112 @@
+"""What the TPU compiler makes of one training step of a Llama wrapped by this engine.
+
+Traces replica 0 of the topology's chips in the TPU form (``_xla.tracing_replica``), exports the
+step (``tpu_program.export_step``: forward, backward, AdamW with its state present, each decoder
+layer a unit), compiles it for the topology in the compiler's venv and prints bytes per chip and
+the collectives, with the ring traffic against the FSDP floor.
+
+    bash scripts/ensure_tpu_venv.sh
+    .venv/bin/python scripts/tpu_report.py --topology v5e-8 --chips 8 --hidden 1024 --layers 4
+
+Defaults: the model of issue 25 (hidden 1024, intermediate 2816, 4 layers, vocab 32000, untied,
+sequence 512, batch 1 per chip). A 117 M-parameter step needs about 4 GB to trace and compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
+from accel_xla_fsdp import _xla, checkpoint_module, seeded, tpu_program, transformer_block_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export(args: argparse.Namespace, path: Path) -> float:
+    """Export the step; returns its communication floor (bytes per chip)."""
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    with _xla.tracing_replica(0, args.chips, "TPU"):
+        with seeded(0):
+            model = LlamaForCausalLM(config)
+        wrapper = (lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw)) if args.checkpoint else None
+        dtype = torch.bfloat16 if args.bf16 else None
+        model = FSDP(
+            model,
+            auto_wrap_policy=transformer_block_policy(),
+            auto_wrapper_callable=wrapper,
+            flatten_parameters=args.flat,
+            compute_dtype=dtype,
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tpu_program.create_optimizer_state(optimizer)
+        donations = tpu_program.Donations.of_step(model, optimizer)
+        ids = torch.zeros(1, args.seq, dtype=torch.long, device=_xla.device())
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tpu_program.export_step([loss, *model.parameters(), *tpu_program.xla_tensors(optimizer)], donations, path)
+        return tpu_program.communication_floor(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", default="v5e-8")
+    parser.add_argument("--chips", type=int, default=8, help="the topology's chips (v4-8: 4, v5e-8: 8)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--flat", action="store_true", help="flat shards (default: per parameter)")
+    parser.add_argument("--bf16", action="store_true", help="compute_dtype=torch.bfloat16")
+    parser.add_argument("--checkpoint", action="store_true", help="checkpoint each decoder layer")
+    parser.add_argument("--hlo-out", help="keep the exported program here")
+    args = parser.parse_args()
+    path = Path(args.hlo_out or tempfile.mkdtemp()) / "step.hlo" if not args.hlo_out else Path(args.hlo_out)
+    floor = export(args, path)
+    python = ROOT / ".tpu-venv" / "bin" / "python"
+    done = subprocess.run(
+        [
+            str(python),
+            str(ROOT / "accel_xla_fsdp" / "tpu_compiler.py"),
+            str(path),
+            "--topology",
+            args.topology,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(done.stdout.splitlines()[-1])
+    mb = 1e6
+    print(f"{args.topology}, {'flat' if args.flat else 'per-parameter'}, {'bf16' if args.bf16 else 'fp32'}"
+          f"{', checkpointed' if args.checkpoint else ''}: MB per chip")  # fmt: skip
+    for key in ("argument", "output", "alias", "temp", "code", "peak"):
+        print(f"  {key}: {report[key] / mb:,.1f}")
+    for kind, c in sorted(report["collectives"].items()):
+        print(f"  {kind}: {c['count']}, {c['bytes'] / mb:,.1f} MB, ring {c['ring_bytes'] / mb:,.1f} MB")
+    print(f"  ring traffic {report['ring_bytes'] / mb:,.1f} MB = {report['ring_bytes'] / floor:.3f}x the FSDP floor")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The TPU programs of the main configurations, compiled by the real TPU compiler (no TPU needed).
+
+A tiny Llama (2 decoder layers, each a unit, inside the root unit: 9 parameters per layer, 3 in
+the root; 21 in all) is traced as replica 0 of 4 in the TPU form (``tests/tpu_programs.py``, one
+process), and every program is compiled for 4 v4 chips and 4 v5e chips
+(``accel_xla_fsdp/tpu_compiler.py`` in ``.tpu-venv``, one process: libtpu compiles in one process
+at a time). What the TPU would run is asserted: only all-gathers and reduce-scatters (no
+all-reduce: a pinned gather or a 1-D reduce-scatter would be one), as many as FSDP needs, and ring
+traffic at the floor (``tpu_program.communication_floor``). The compiler's venv is made when
+missing (``scripts/ensure_tpu_venv.sh``); if it cannot be, the tests fail saying what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGIES = ("v4-8", "v5e-4")  # 4 chips each: one export serves both
+WORLD = 4
+LAYER, ROOT_PARAMS, LAYERS = 9, 3, 2
+PARAMS = LAYERS * LAYER + ROOT_PARAMS
+
+# name -> (all-gathers, reduce-scatters). Every layer's parameter is gathered in forward and again
+# in backward (a checkpointed layer's recomputation uses its backward gather), the root's once
+# (disable_reshard_on_root); every trainable gradient is reduce-scattered once per step.
+EXPECTED: Dict[str, Tuple[int, int]] = {
+    "per_parameter": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),
+    "flat": (2 * LAYERS + 1, LAYERS + 1),  # one flat group per unit
+    "nested": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),  # each MLP a unit inside its layer's
+    "bf16": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),
+    "checkpointed": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),
+    "frozen": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS - 1),  # the embedding is frozen
+    "no_sync": (2 * (2 * LAYERS * LAYER + ROOT_PARAMS), PARAMS),  # two micro-batches, one reduce
+    "eval": (PARAMS, 0),  # a forward under no_grad
+}
+
+
+def _run(cmd, what: str) -> str:
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"{what} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def tpu_python() -> Path:
+    """The compiler's venv, made when missing; a failure says what to install, never skips."""
+    done = subprocess.run(["bash", "scripts/ensure_tpu_venv.sh"], cwd=ROOT, capture_output=True, text=True)
+    python = ROOT / ".tpu-venv" / "bin" / "python"
+    if done.returncode != 0 or not python.exists():
+        pytest.fail(
+            "the TPU compiler is missing and could not be installed: run `bash scripts/ensure_tpu_venv.sh` "
+            "(a venv .tpu-venv with pip install 'jax[tpu]==0.10.2', 1.3 GB; network access to PyPI needed)\n"
+            + done.stderr[-2000:]
+        )
+    return python
+
+
+@pytest.fixture(scope="module")
+def compiled(tpu_python: Path, tmp_path_factory) -> Dict[Tuple[str, str], dict]:
+    """(configuration, topology) -> the compiler's report, with the configuration's floor."""
+    out = tmp_path_factory.mktemp("tpu_programs")
+    _run([sys.executable, "tests/tpu_programs.py", str(out), str(WORLD)], "exporting the TPU programs")
+    manifest = json.loads((out / "manifest.json").read_text())
+    programs = [str(out / f"{name}.hlo") for name in manifest]
+    topologies = [arg for t in TOPOLOGIES for arg in ("--topology", t)]
+    stdout = _run([str(tpu_python), "accel_xla_fsdp/tpu_compiler.py", *programs, *topologies, "--json"], "compiling")
+    reports = {}
+    for line in stdout.splitlines():
+        report = json.loads(line)
+        name = Path(report["program"]).stem
+        reports[name, report["topology"]] = {**report, **manifest[name]}
+    return reports
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_collectives_at_the_floor(compiled, name: str, topology: str) -> None:
+    report = compiled[name, topology]
+    kinds = {kind: c["count"] for kind, c in report["collectives"].items()}
+    gathers, reduce_scatters = EXPECTED[name]
+    assert kinds == {"all-gather": gathers, **({"reduce-scatter": reduce_scatters} if reduce_scatters else {})}
+    assert report["floor"] <= report["ring_bytes"] <= 1.05 * report["floor"]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_bf16_moves_half_the_bytes(compiled, topology: str) -> None:
+    f32, bf16 = compiled["per_parameter", topology], compiled["bf16", topology]
+    for kind in ("all-gather", "reduce-scatter"):
+        assert bf16["collectives"][kind]["bytes"] * 2 == f32["collectives"][kind]["bytes"]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_step_donates_parameters_and_optimizer_state(compiled, topology: str) -> None:
+    """A step's parameters and AdamW moments alias their outputs (as a real sync donates them):
+    the compiler then counts them once, not as argument and output."""
+    step = compiled["per_parameter", topology]
+    assert step["aliased"] == 3 * PARAMS
+    assert step["alias"] > 0
+    assert step["output"] - step["alias"] < 4096  # what is not donated: the loss
+    assert "alias" not in compiled["eval", topology] or compiled["eval", topology]["alias"] == 0

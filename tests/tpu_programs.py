@@ -1,0 +1,120 @@
+"""Export the TPU programs of the main configurations of a tiny Llama, for test_tpu_programs.py.
+
+    .venv/bin/python tests/tpu_programs.py OUT_DIR WORLD
+
+Traces replica 0 of WORLD in the TPU form (``_xla.tracing_replica``), one step per configuration,
+and writes OUT_DIR/<name>.hlo (``tpu_program.export_step``) and OUT_DIR/manifest.json: for each
+program its FSDP communication floor (``tpu_program.communication_floor``) and how many gathers
+and reduce-scatters the floor holds. Run as a process of its own: tracing uses the process's
+XLA:CPU device, and each configuration is a fresh model.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from models import LLAMA_CONFIG
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+
+from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
+from accel_xla_fsdp import _xla, checkpoint_module, seeded, tpu_program, transformer_block_policy
+
+SEQ, BATCH = 16, 2
+
+
+def llama() -> LlamaForCausalLM:
+    with seeded(0):
+        return LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG, attn_implementation="eager"))
+
+
+def per_layer(**kw) -> FSDP:
+    return FSDP(llama(), auto_wrap_policy=transformer_block_policy(), **kw)
+
+
+def nested() -> FSDP:
+    """Each layer's MLP a unit inside its layer's unit, inside the root."""
+    model = llama()
+    for layer in model.model.layers:
+        layer.mlp = FSDP(layer.mlp)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = FSDP(layer)
+    return FSDP(model)
+
+
+def checkpointed() -> FSDP:
+    return FSDP(
+        llama(),
+        auto_wrap_policy=transformer_block_policy(),
+        auto_wrapper_callable=lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw),
+    )
+
+
+def frozen_embedding() -> FSDP:
+    model = llama()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    return FSDP(model, auto_wrap_policy=transformer_block_policy())
+
+
+# name -> (build, micro-batches, kind): "train" (one step, the first micro-batches under no_sync)
+# or "eval" (a forward under no_grad).
+CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
+    "per_parameter": (lambda: per_layer(flatten_parameters=False), 1, "train"),
+    "flat": (lambda: per_layer(flatten_parameters=True), 1, "train"),
+    "nested": (nested, 1, "train"),
+    "bf16": (lambda: per_layer(compute_dtype=torch.bfloat16), 1, "train"),
+    "checkpointed": (checkpointed, 1, "train"),
+    "frozen": (frozen_embedding, 1, "train"),
+    "no_sync": (lambda: per_layer(), 2, "train"),
+    "eval": (lambda: per_layer(), 1, "eval"),
+}
+assert LlamaDecoderLayer and LlamaMLP  # imported before any tracing: transformers' imports are lazy
+
+
+def export(name: str, out: Path) -> dict:
+    gc.collect()  # the previous configuration's tensors, pending collectives and all
+    build, micro, kind = CONFIGS[name]
+    model = build()
+    ids = torch.arange(BATCH * SEQ).remainder(LLAMA_CONFIG["vocab_size"]).view(BATCH, SEQ).to(_xla.device())
+    path = out / f"{name}.hlo"
+    if kind == "eval":
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss
+        tpu_program.export_step([loss], None, path)
+        return {"floor": tpu_program.communication_floor(model, training=False)}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tpu_program.create_optimizer_state(optimizer)
+    donations = tpu_program.Donations.of_step(model, optimizer)
+    for m in range(micro):
+        if m < micro - 1:
+            with model.no_sync():
+                model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    outputs: List[torch.Tensor] = [loss, *model.parameters(), *tpu_program.xla_tensors(optimizer)]
+    exported = tpu_program.export_step(outputs, donations, path)
+    floor = tpu_program.communication_floor(model, micro_batches=micro)
+    return {"floor": floor, "aliased": exported.aliased}
+
+
+def main() -> None:
+    out, world = Path(sys.argv[1]), int(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    with _xla.tracing_replica(0, world, "TPU"):
+        for name in CONFIGS:
+            manifest[name] = export(name, out)
+            print(name, manifest[name], flush=True)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+if __name__ == "__main__":
+    main()
