@@ -30,7 +30,6 @@ from .format import (
     MODEL,
     OPTIM,
     RECORD,
-    SAVE_NAME,
     CheckpointError,
     GroupEntry,
     ParamEntry,
@@ -153,7 +152,8 @@ def _prepare(root: Path) -> _Plan:
         if committed and (root / committed).is_dir() and not (root / committed).is_symlink():
             for leftover in [p for p in (root / committed).iterdir() if _RANK_TMP.fullmatch(p.name)]:
                 _unlink_file(leftover)
-    number = max((int(SAVE_NAME.fullmatch(n).group(1)) for n in ours), default=-1) + 1
+    # The record's folder names matched SAVE_NAME ("save-<digits>") when it was read.
+    number = max((int(n.removeprefix("save-")) for n in ours), default=-1) + 1
     while (root / f"save-{number:06d}").exists() or (root / f"save-{number:06d}").is_symlink():
         number += 1  # a folder that is not ours (or that could not be removed): never reused
     new = f"save-{number:06d}"
@@ -233,11 +233,15 @@ def _param_entries(prefix: str, group: ShardedParamGroup) -> Tuple[ParamEntry, .
     )
 
 
+# RankMeta's groups, buffers and optimizer fields.
+_Layout = Tuple[Tuple[GroupEntry, ...], Dict[str, str], Optional[Dict[str, Any]]]
+
+
 def _rank_tensors(
     model: XlaFullyShardedDataParallel,
     optimizer: Optional[torch.optim.Optimizer],
     groups: List[Tuple[str, str, ShardedParamGroup]],
-) -> Tuple[Dict[str, torch.Tensor], Tuple[Any, ...]]:
+) -> Tuple[Dict[str, torch.Tensor], _Layout]:
     """This rank's tensors, and its layout: (groups, buffers, optimizer) of ``RankMeta``."""
     tensors: Dict[str, torch.Tensor] = {}
     entries = []
@@ -356,9 +360,7 @@ def _check_same_model(
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, ckpt: ShardedCheckpoint) -> None:
-    saved = ckpt.metas[0].optimizer
-    if saved is None:
-        raise CheckpointError(f"{ckpt.directory}: saved without an optimizer; load with optimizer=None")
+    saved = ckpt.optimizer_meta("load with optimizer=None")
     if saved["type"] != type(optimizer).__name__ or len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{ckpt.directory}: saved with a {saved['type']} of {len(saved['param_groups'])} param group(s), "
