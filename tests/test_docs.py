@@ -63,3 +63,10 @@ def test_relative_links_resolve():
             if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
                 broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
     assert not broken, "\n".join(broken)
+
+
+def test_every_page_is_in_the_readme_table():
+    """A page no one can find from the README is a page no one reads."""
+    table = (REPO / "README.md").read_text().split("## Documentation", 1)[1].split("\n## ", 1)[0]
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if f"](docs/{p.name})" not in table]
+    assert not missing, f"docs pages not linked from the README's documentation table: {missing}"
