@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, cast
 
 import torch
 import torch_xla
@@ -101,9 +101,9 @@ def cpu_device_env(num_devices: int) -> dict:
 
 def local_devices() -> List[torch.device]:
     """The XLA devices this process drives, one replica thread each on the CPU."""
-    devices = xm.get_xla_supported_devices()
+    devices = [torch.device(d) for d in xm.get_xla_supported_devices()]
     xm.set_replication(torch_xla.device(), devices)
-    return [torch.device(d) for d in devices]
+    return devices
 
 
 def enter_replica_thread(dev: torch.device) -> None:
@@ -244,11 +244,11 @@ def order_after(tensor: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Ten
 
 
 def rng_state(dev: torch.device) -> int:
-    return xm.get_rng_state(dev)
+    return xm.get_rng_state(str(dev))
 
 
 def set_rng_state(seed: int, dev: torch.device) -> None:
-    xm.set_rng_state(seed, dev)
+    xm.set_rng_state(seed, str(dev))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +311,8 @@ def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_la
     if len(tensors) == 1:
         return [all_gather(tensors[0], groups, pin_layout)]
     if not on_cpu():
-        return xm.all_gather(list(tensors), dim=0, groups=groups, pin_layout=False)
+        # torch_xla types all_gather for one tensor; given a list it gathers them as one op.
+        return xm.all_gather(list(tensors), dim=0, groups=groups, pin_layout=False)  # type: ignore[arg-type,return-value]
     sizes = [t.numel() for t in tensors]
     gathered = all_gather(torch.cat([t.reshape(-1) for t in tensors]), groups, pin_layout=False)
     columns = gathered.view(-1, sum(sizes)).split(sizes, dim=1)
@@ -332,7 +333,8 @@ def reduce_scatter_sum_coalesced(
     if len(tensors) == 1:
         return [reduce_scatter_sum(tensors[0], shard_count, scale, groups, pin_layout)]
     if not on_cpu():
-        return xm.reduce_scatter(
+        # torch_xla types reduce_scatter as returning one tensor; given a list it returns a list.
+        return xm.reduce_scatter(  # type: ignore[return-value]
             xm.REDUCE_SUM,
             list(tensors),
             scale=scale,
@@ -353,4 +355,5 @@ def all_reduce(tensor: torch.Tensor, op: str, groups: Groups, pin_layout: bool) 
         stacked = all_gather(tensor.unsqueeze(0), groups, pin_layout=False)
         return stacked.sum(0) if op == "sum" else stacked.amax(0)
     reduce_type = xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX
-    return xm.all_reduce(reduce_type, tensor, groups=groups, pin_layout=pin_layout)
+    # One tensor in, one out (torch_xla's type says tensor or list, for either input).
+    return cast(torch.Tensor, xm.all_reduce(reduce_type, tensor, groups=groups, pin_layout=pin_layout))

@@ -31,4 +31,4 @@ def route_generate(wrapper: XlaFullyShardedDataParallel) -> None:
             return own(inner, *args, **kwargs)
         return wrapper.generate(*args, **kwargs)
 
-    inner.generate = generate
+    inner.generate = generate  # type: ignore[assignment]  # per instance, over the class's method
