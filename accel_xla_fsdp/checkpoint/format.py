@@ -653,7 +653,8 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     flat = tensor.detach().contiguous().reshape(-1)
     digest = xxhash.xxh3_64()
     if flat.numel():
-        digest.update(flat.view(torch.uint8).numpy())
+        # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
+        digest.update(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return _formatted(digest)
 
 
@@ -825,17 +826,22 @@ class ShardedCheckpoint:
                 raise CheckpointError(
                     f"{path}: {where} optimizer tensor {name!r}, unlike rank 0's file {first_path.name}"
                 )
-            for name, (shape, dtype) in optim.items():
-                if (shape, dtype) != optim_first[name]:
+            for name, (shape, tensor_dtype) in optim.items():
+                if (shape, tensor_dtype) != optim_first[name]:
                     raise CheckpointError(
-                        f"{path}: optimizer tensor {name!r} is {dtype} {list(shape)}, rank 0's is "
+                        f"{path}: optimizer tensor {name!r} is {tensor_dtype} {list(shape)}, rank 0's is "
                         f"{optim_first[name][1]} {list(optim_first[name][0])}"
                     )
 
-    def check_optimizer(self) -> None:
-        """The optimizer metadata is there (asked for by ``--optimizer`` / ``load_sharded``)."""
-        if self.metas[0].optimizer is None:
-            raise CheckpointError(f"{self.directory}: saved without optimizer state (save_sharded(model, None, ...))")
+    def optimizer_meta(self, remedy: str) -> Dict[str, Any]:
+        """The optimizer metadata (asked for by ``--optimizer`` / ``load_sharded``); a checkpoint
+        saved without one is refused, with ``remedy`` as what to do instead."""
+        saved = self.metas[0].optimizer
+        if saved is None:
+            raise CheckpointError(
+                f"{self.directory}: saved without optimizer state (save_sharded(model, None, ...)); {remedy}"
+            )
+        return saved
 
     # -- reading -------------------------------------------------------------------------
 

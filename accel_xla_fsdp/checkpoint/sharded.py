@@ -327,11 +327,15 @@ def _param_entries(prefix: str, group: ShardedParamGroup) -> Tuple[ParamEntry, .
     )
 
 
+# RankMeta's groups, buffers and optimizer fields.
+_Layout = Tuple[Tuple[GroupEntry, ...], Dict[str, str], Optional[Dict[str, Any]]]
+
+
 def _rank_tensors(
     model: XlaFullyShardedDataParallel,
     optimizer: Optional[torch.optim.Optimizer],
     groups: List[Tuple[str, str, ShardedParamGroup]],
-) -> Tuple[Dict[str, torch.Tensor], Tuple[Any, ...]]:
+) -> Tuple[Dict[str, torch.Tensor], _Layout]:
     """This rank's tensors, and its layout: (groups, buffers, optimizer) of ``RankMeta``."""
     tensors: Dict[str, torch.Tensor] = {}
     entries = []
@@ -450,9 +454,7 @@ def _check_same_model(
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, ckpt: ShardedCheckpoint) -> None:
-    saved = ckpt.metas[0].optimizer
-    if saved is None:
-        raise CheckpointError(f"{ckpt.directory}: saved without an optimizer; load with optimizer=None")
+    saved = ckpt.optimizer_meta("load with optimizer=None")
     if saved["type"] != type(optimizer).__name__ or len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{ckpt.directory}: saved with a {saved['type']} of {len(saved['param_groups'])} param group(s), "
