@@ -60,7 +60,7 @@ from .format import (
     ShardedCheckpoint,
     torch_dtype,
 )
-from .store import Location
+from .store import Location, PathLike
 from .torch_xla_files import TorchXlaCheckpoint
 
 WEIGHTS_NAME = "model.safetensors"
@@ -80,8 +80,8 @@ _SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
 
 
 def consolidate(
-    checkpoint_dir: Union[str, os.PathLike],
-    output_dir: Union[str, os.PathLike],
+    checkpoint_dir: PathLike,
+    output_dir: PathLike,
     *,
     max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
     config: Any = None,
@@ -89,7 +89,7 @@ def consolidate(
     optimizer: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-) -> Path:
+) -> Union[Path, Location]:
     """Write the model of a ``save_sharded`` checkpoint in the Hugging Face layout; returns ``output_dir``.
 
     Args:
@@ -131,14 +131,14 @@ def consolidate(
 
 def convert_torch_xla(
     input_path: Union[str, os.PathLike],
-    output_dir: Union[str, os.PathLike],
+    output_dir: PathLike,
     *,
     max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
     config: Any = None,
     dtype: Union[None, str, torch.dtype] = None,
     overwrite: bool = False,
     progress: bool = True,
-) -> Path:
+) -> Union[Path, Location]:
     """Write a torch_xla-format checkpoint (torch_xla FSDP rank files ``*_rank-<r>-of-<N>.pth``,
     or the Trainer's ``rank<r>-of-<N>-pytorch_model.bin``; ``input_path`` is their directory or
     one of them) in the Hugging Face layout, as ``consolidate`` does for ours. The files are
@@ -149,14 +149,14 @@ def convert_torch_xla(
 
 def write_hf_layout(
     ckpt: Any,
-    output_dir: Union[str, os.PathLike],
+    output_dir: PathLike,
     max_shard_size: Union[int, str],
     config: Any,
     dtype: Union[None, str, torch.dtype],
     optimizer: bool,
     overwrite: bool,
     progress: bool,
-) -> Path:
+) -> Union[Path, Location]:
     """The Hugging Face layout of ``ckpt`` (a ``ShardedCheckpoint`` or ``TorchXlaCheckpoint``), in
     a local folder (returned as a ``Path``) or a bucket (a ``Location``)."""
     target = Location.of(output_dir)
@@ -633,7 +633,9 @@ def write_to_store(
             for name, tensors in sorted(files.items(), key=lambda item: item[0] == last):
                 target = out / name
 
-                def write(f: Any, target: Location = target, tensors: List[OutTensor] = tensors, name: str = name):
+                def write(
+                    f: Any, target: Location = target, tensors: List[OutTensor] = tensors, name: str = name
+                ) -> None:
                     write_safetensors_to(f, target, tensors, budget, bar, check=verifier.check)
                     if name == last:
                         verifier.finish()  # before the upload completes: a bad checksum leaves no model

@@ -466,7 +466,7 @@ def read_record(directory: PathLike, *, committed: bool = True, path: Optional[L
             )
         return Record(FORMAT, None, None, 0, (), saves)
     per_save = new and "file_sizes" in raw
-    fields = ("format", "save_id", "world_size", "files")
+    fields: Tuple[str, ...] = ("format", "save_id", "world_size", "files")
     if new:
         fields += ("token", "file_sizes", "file_checksums") if per_save else ("token", "saves")
     check_dict(raw, where, fields)
@@ -481,7 +481,7 @@ def read_record(directory: PathLike, *, committed: bool = True, path: Optional[L
             want = f"{save_id}/{rank_file_name(rank, world)}"
             raise CheckpointError(f"{where}, files[{rank}]: expected a path like {want!r}, found {_short(name)}")
     token = None
-    saves: Tuple[str, ...] = (save_id,)
+    saves = (save_id,)
     sizes: Tuple[int, ...] = ()
     sums: Tuple[str, ...] = ()
     if new:
@@ -705,7 +705,8 @@ class ShardedCheckpoint:
         self.directory = Location.of(directory)
         found = find_saves(self.directory)
         self.skipped = found.incomplete  # incomplete saves newer than the one read
-        if found.record is None or found.record.save_id is None:
+        record = found.record
+        if record is None or record.save_id is None:
             raise CheckpointError(_no_checkpoint(self.directory, found))
         if found.incomplete:
             logger.warning(
@@ -713,9 +714,8 @@ class ShardedCheckpoint:
                 self.directory,
                 ", ".join(found.incomplete),
                 RECORD,
-                found.record.save_id,
+                record.save_id,
             )
-        record = found.record
         self.format = record.format
         self.save_id: str = record.save_id
         self.token: Optional[str] = record.token
@@ -939,7 +939,7 @@ class ShardedCheckpoint:
         return read
 
 
-def _check_tensor(path: Path, header: FileHeader, key: str, count: Optional[int], dtype: torch.dtype) -> None:
+def _check_tensor(path: Location, header: FileHeader, key: str, count: Optional[int], dtype: torch.dtype) -> None:
     if key not in header.tensors:
         raise CheckpointError(f"{path}: has no tensor {key!r}, which its metadata lists")
     t = header.tensors[key]

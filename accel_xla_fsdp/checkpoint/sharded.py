@@ -187,7 +187,8 @@ def write_rank_file(f: Any, tensors: Dict[str, torch.Tensor], metadata: Dict[str
     for name in order:
         t = tensors[name].contiguous().reshape(-1)
         if t.numel():
-            data = memoryview(t.view(torch.uint8).numpy())
+            # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
+            data = memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
             f.write(data)
             digest.update(data)
             written += len(data)
