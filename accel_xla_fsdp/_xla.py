@@ -27,7 +27,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, cast
 
 import torch
 import torch_xla
@@ -110,6 +110,7 @@ def check_graph_cut() -> None:
     the traced platform's form, which this device cannot run (``xla_cpu/graph_boundaries.py``
     calls this at every cut)."""
     if _foreign_collectives:
+        assert _traced is not None  # counted only while tracing (reset when it ends)
         raise RuntimeError(
             f"a graph holding {_foreign_collectives} collective(s) in {_traced.platform} form was cut while "
             f"tracing as {_traced}: it cannot run here. Export the pending step instead "
@@ -457,9 +458,13 @@ def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_la
     if not on_cpu():
         _native_collective()
         # torch_xla types all_gather for one tensor; given a list it gathers them as one op.
-        return xm.all_gather(  # type: ignore[arg-type,return-value]
-            list(tensors), dim=0, groups=_explicit_groups(groups), pin_layout=False
+        gathered = xm.all_gather(
+            list(tensors),  # type: ignore[arg-type]
+            dim=0,
+            groups=_explicit_groups(groups),
+            pin_layout=False,
         )
+        return cast(List[torch.Tensor], gathered)
     sizes = [t.numel() for t in tensors]
     gathered = all_gather(torch.cat([t.reshape(-1) for t in tensors]), groups, pin_layout=False)
     columns = gathered.view(-1, sum(sizes)).split(sizes, dim=1)
