@@ -278,9 +278,9 @@ class Accelerator(accelerate.Accelerator):
         state = model.model_state_dict()
         if self.is_main_process:
             with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-model-") as local:
-                inner = model.module
-                if hasattr(inner, "save_pretrained"):
-                    inner.save_pretrained(
+                save_pretrained = getattr(model.module, "save_pretrained", None)
+                if save_pretrained is not None:
+                    save_pretrained(
                         local, state_dict=state, max_shard_size=max_shard_size, safe_serialization=safe_serialization
                     )
                 else:

@@ -33,7 +33,7 @@ import copy
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import accelerate
 import torch
@@ -240,8 +240,20 @@ class XlaFsdpTrainerMixin(_TrainerBase):
         load_sharded(model, None, os.path.join(best, SHARDED_DIR))
 
 
-class _GenerateSharded:
+# Goes after the mixin in a Seq2SeqTrainer's bases: to the type checker a Seq2SeqTrainer, at run
+# time a plain class.
+if TYPE_CHECKING:
+    _Seq2SeqBase = transformers.Seq2SeqTrainer
+else:
+    _Seq2SeqBase = object
+
+
+class _GenerateSharded(_Seq2SeqBase):
     """``Seq2SeqTrainer``'s ``predict_with_generate`` through the sharded model."""
+
+    if TYPE_CHECKING:  # the mixin's, ahead of this class in every trainer's bases
+
+        def _sharded_model(self) -> Optional[XlaFullyShardedDataParallel]: ...
 
     def prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **gen_kwargs: Any
@@ -271,14 +283,17 @@ def _training_args_taken_over(
 ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[transformers.TrainingArguments]]:
     """``args``/``kwargs`` with their ``TrainingArguments`` (found by type, not position) replaced by
     a copy whose ``fsdp`` is off, and the original (None if there is none: the subclass makes its own)."""
-    found = [(i, a) for i, a in enumerate(args) if isinstance(a, transformers.TrainingArguments)]
+    found: List[Tuple[Union[int, str], transformers.TrainingArguments]] = [
+        (i, a) for i, a in enumerate(args) if isinstance(a, transformers.TrainingArguments)
+    ]
     found += [(k, v) for k, v in kwargs.items() if isinstance(v, transformers.TrainingArguments)]
     if not found:
         return args, kwargs, None
     where, given = found[0]
     check_precision(given)
     taken = copy.copy(given)  # the caller's arguments stay as given
-    taken.fsdp, taken.fsdp_plugin_args = False, None
+    # transformers types fsdp as the str its parser takes; it sets a bool itself (True once resolved).
+    taken.fsdp, taken.fsdp_plugin_args = False, None  # type: ignore[assignment]
     changed = fixed_shapes(taken)
     if changed is not None:
         logger.warning(f"XLA FSDP: {type(given).__name__} {changed}", main_process_only=True)
@@ -298,7 +313,7 @@ def with_mixin(cls: type) -> type:
         return cls
     with _with_mixin_lock:
         if cls not in _with_mixin:
-            mixins = (XlaFsdpTrainerMixin,)
+            mixins: Tuple[type, ...] = (XlaFsdpTrainerMixin,)
             if issubclass(cls, transformers.Seq2SeqTrainer):
                 mixins += (_GenerateSharded,)
             made = type(cls.__name__, (*mixins, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
