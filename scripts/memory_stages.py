@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 if os.environ.get("MEMORY_BENCH_ENGINE") == "ddp":
@@ -47,19 +48,22 @@ def main() -> None:
         return result
 
     model = stage("from_pretrained", lambda: AutoModelForCausalLM.from_pretrained(pretrained))
+    vocab = model.config.vocab_size
+    rows = torch.randint(
+        0, vocab, (accelerator.num_processes * (STEPS + 1), SEQ), generator=torch.Generator().manual_seed(0)
+    )
+    loader = DataLoader(TensorDataset(rows), batch_size=1)  # one row per replica and step
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model, optimizer = stage("prepare", lambda: accelerator.prepare(model, optimizer))
-    vocab = accelerator.unwrap_model(model).config.vocab_size
-    generator = torch.Generator().manual_seed(accelerator.process_index)
+    model, optimizer, loader = stage("prepare", lambda: accelerator.prepare(model, optimizer, loader))
 
     def steps(count: int) -> None:
-        for _ in range(count):
-            ids = torch.randint(0, vocab, (1, SEQ), generator=generator).to(accelerator.device)
+        for step, (ids,) in enumerate(loader):
+            if step == count:
+                break
             loss = model(input_ids=ids, labels=ids).loss
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            loss.item()
 
     stage("train", lambda: steps(STEPS))
     stage("save_state", lambda: accelerator.save_state(f"{out}/state"))
