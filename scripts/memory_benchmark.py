@@ -13,7 +13,7 @@ fits in the memory available (it holds about 32 M at 0.16 B; otherwise skipped, 
     .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --ddp no   # ~20 GB: alone on the machine
     .venv/bin/python scripts/memory_benchmark.py --hidden 512 --intermediate 1376 --layers 4 --heads 8 --kv-heads 8
 
-Above 3 GiB, run it under ``flock /work/coord/bigmem.lock`` on a shared machine.
+Above 3 GiB, on a shared machine, run it under the machine's lock (``flock LOCKFILE ...``).
 """
 
 from __future__ import annotations
