@@ -8,7 +8,6 @@ check]) and a parameter claimed by two units.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import (
     Any,
@@ -59,7 +58,6 @@ class _ParamRegistry:
 
 
 _MANAGED_PARAMS = _ParamRegistry()
-_SOURCE_READS = threading.Lock()
 
 ParamInitFn = Callable[[nn.Module], None]
 FlatShardKey = Callable[[nn.Parameter], Hashable]
@@ -302,9 +300,7 @@ def build_groups(
     if source is not None:
         orig_of = {id(full): orig for full, orig, _ in named}
         for group in groups:
-            # One replica at a time stages a shard in host memory (on XLA:CPU the replicas
-            # share one host, and the device buffers live there too).
-            with _SOURCE_READS:
+            with host_memory.STAGING:
                 local = group.local_values(lambda slot, a, b: source.read(orig_of[id(slot.param)], a, b))
                 group.shard.data = local.to(device)
                 host_memory.give_back()

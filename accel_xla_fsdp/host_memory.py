@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from typing import Callable, Optional
+
+# One replica thread at a time stages a shard (or an optimizer state) in host memory on its way
+# to the device: on XLA:CPU the replicas share one host, so four staging at once cost four
+# times the largest shard (the outer unit's embedding and lm_head), and the device buffers live
+# there too. On a TPU each process has one replica: the lock is never contended.
+STAGING = threading.Lock()
 
 
 @functools.cache

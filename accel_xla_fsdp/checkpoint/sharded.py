@@ -415,8 +415,9 @@ def load_sharded(
     _verify_together(ckpt, with_optimizer=optimizer is not None)
     with torch.no_grad():
         for prefix, _, group in groups:
-            fill_group(group, prefix, ckpt)
-            _let_go(ckpt)
+            with host_memory.STAGING:
+                fill_group(group, prefix, ckpt)
+                _let_go(ckpt)
         for name, buf in model.named_buffers():
             buf.copy_(ckpt.read_buffer(original_name(name)).to(buf.dtype))
     if optimizer is not None:
@@ -521,8 +522,9 @@ def _load_optimizer(
         for p in pg["params"]:
             prefix, group = by_shard[id(p)]
             optimizer.state.pop(p, None)  # freed before the new state is staged
-            optimizer.state[p] = _state_for(group, prefix, ckpt, saved, first_rank_names)
-            _let_go(ckpt)
+            with host_memory.STAGING:
+                optimizer.state[p] = _state_for(group, prefix, ckpt, saved, first_rank_names)
+                _let_go(ckpt)
 
 
 def _state_for(
