@@ -250,6 +250,7 @@ _RECORD = StreamRecord()
 
 def streamed_stock_save(rank: int, world: int, out: str) -> Dict[str, Any]:
     from accel_xla_fsdp import _xla
+    from accel_xla_fsdp.xla_cpu.rendezvous import agree
 
     acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=True))
     model = tied_model()
@@ -257,19 +258,19 @@ def streamed_stock_save(rank: int, world: int, out: str) -> Dict[str, Any]:
     model, optimizer = acc.prepare(model, optimizer)
     train(acc, model, optimizer, rank, world)
     units = [unit for _, unit in model.unit_state.named_units()]
-    _xla.agree("install the recorder")
+    agree("install the recorder")
     if rank == 0:
         _RECORD.programs.clear()
         _RECORD.placed.clear()
         _RECORD.install(units)
-    _xla.agree("recorder installed")
+    agree("recorder installed")
     try:
         acc.unwrap_model(model).save_pretrained(
             f"{out}/stock", is_main_process=acc.is_main_process, save_function=acc.save
         )
         acc.save_model(model, f"{out}/save_model")
     finally:
-        _xla.agree("saved")
+        agree("saved")
         if rank == 0:
             _RECORD.restore()
     # what the code before streaming gave: every unit gathered at once, then copied to the host
@@ -281,7 +282,7 @@ def streamed_stock_save(rank: int, world: int, out: str) -> Dict[str, Any]:
             for group in unit.param_groups
             for slot in group.slots
         }
-    _xla.agree("reference taken")
+    agree("reference taken")
     return {
         "programs": list(_RECORD.programs.get(rank, [])),
         "placed": _RECORD.placed.get(rank, 0),
