@@ -152,15 +152,14 @@ def stage_figures(sampler: TreeSampler, marks: Path) -> Dict[str, Tuple[int, int
     for line in marks.read_text().splitlines():
         mark = json.loads(line)
         edges[(mark["stage"], mark["edge"])] = mark["time"]
-    return {
-        stage: (
-            sampler.at(edges[(stage, "begin")]),
-            sampler.peak(edges[(stage, "begin")], edges[(stage, "end")]),
-            sampler.at(edges[(stage, "end")]),
-        )
-        for stage in STAGES
-        if (stage, "begin") in edges and (stage, "end") in edges
-    }
+    figures = {}
+    for stage in STAGES:
+        if (stage, "begin") in edges and (stage, "end") in edges:
+            begin, end = sampler.at(edges[(stage, "begin")]), sampler.at(edges[(stage, "end")])
+            # a stage shorter than the 50 ms between samples has none of its own
+            peak = max(sampler.peak(edges[(stage, "begin")], edges[(stage, "end")]), begin, end)
+            figures[stage] = (begin, peak, end)
+    return figures
 
 
 # -- the runs ------------------------------------------------------------------------------------
