@@ -40,7 +40,7 @@ from .options import (
     wrapper_signature,
 )
 from .param_group import ShardedParamGroup
-from .state_dict import WRAPPED_MODULE, full_state_dict, model_state_dict, shard_metadata
+from .state_dict import WRAPPED_MODULE, full_state_dict, kept_here, model_state_dict, shard_metadata
 from .unit_state import STATE_ATTRIBUTE, RootState, TrainingState, UnitState, holding_full_params
 from .wrap import recursive_wrap, resolve_policy
 from .xla_cpu.rendezvous import agree
@@ -330,12 +330,13 @@ def _whole_model_state_dict(
     ``unwrap_model(model).save_pretrained(dir)`` does): the whole model, gathered, instead of
     freed full parameters (outside forward they hold no data) and the inner units' shards.
     The wrapper's own ``state_dict()`` (this replica's shards, for checkpoints) reaches the module
-    under a prefix and is left alone."""
+    under a prefix and is left alone. Inside a save only the writing replica keeps it
+    (``kept_on_this_replica``)."""
     unit = unit_ref()
     if prefix or unit is None or not unit.is_root:
         return None
     agree("state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)")
-    return model_state_dict(unit.unit_state)
+    return model_state_dict(unit.unit_state, kept_here())
 
 
 def _bind_arguments(module: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -9,12 +9,16 @@ state (``UnitState.named_units``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import functools
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from . import _xla
-from .unit_state import UnitState, holding_full_params
+from .param_group import ShardedParamGroup
+from .unit_state import UnitState
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
 
@@ -33,6 +37,27 @@ def full_name(prefix: str, name: str) -> str:
     return original_name(join(prefix, WRAPPED_MODULE, name))
 
 
+_saving = threading.local()
+
+
+@contextmanager
+def kept_on_this_replica(kept: bool) -> Iterator[None]:
+    """Inside, ``state_dict()`` of a root unit's module (the unwrapped model's, as a save asks
+    it) gives the full model on this replica only if ``kept``, else an empty dict, after taking
+    part in the gathers: for saves, where one replica writes and the others need nothing."""
+    previous = getattr(_saving, "kept", None)
+    _saving.kept = kept
+    try:
+        yield
+    finally:
+        _saving.kept = previous
+
+
+def kept_here() -> bool:
+    """Whether ``state_dict()`` of the unwrapped model keeps the full model on this replica."""
+    return getattr(_saving, "kept", None) is not False
+
+
 def shards_by_name(root: UnitState) -> Dict[str, torch.nn.Parameter]:
     """Each parameter's name in the unwrapped model (tied names too) -> the shard holding it."""
     shards = {}
@@ -44,28 +69,36 @@ def shards_by_name(root: UnitState) -> Dict[str, torch.nn.Parameter]:
     return shards
 
 
-def full_state_dict(root: UnitState) -> Dict[str, torch.Tensor]:
+def full_state_dict(root: UnitState, kept_here: bool = True) -> Dict[str, torch.Tensor]:
     """The unsharded state dict of the original module, on the CPU, under its own names: each
     parameter once (a tied one under its first name), every buffer.
 
-    Every replica must call it (it gathers); each gets the same dict. Parameters come back in
-    their shards' dtype (float32 master weights under bf16 compute), buffers in their original one.
+    Every replica must call it (it gathers); each gets the same dict, or with ``kept_here``
+    False an empty one (it still takes part in the gathers). Parameters come back in their
+    shards' dtype (float32 master weights under bf16 compute), buffers in their original one.
     """
-    state = {names[0]: value for names, value in _gathered_params(root)}
+    params = _streamed_params(root, kept_here)
+    if not kept_here:
+        return {}
+    state = {names[0]: value for names, value in params}
     for name, buf in root.wrapper.named_buffers():
         state[original_name(name)] = _buffer_on_host(root, name, buf)
     return state
 
 
-def model_state_dict(root: UnitState) -> Dict[str, torch.Tensor]:
+def model_state_dict(root: UnitState, kept_here: bool = True) -> Dict[str, torch.Tensor]:
     """What ``state_dict()`` of the unwrapped model gives, with full tensors on the CPU.
 
     Its keys: every name of every parameter (a tied weight under each of its names, one tensor)
     and the persistent buffers only (not, say, Llama's computed ``rotary_emb.inv_freq``); its
     dtypes: the parameters' (their shards') and the buffers' own. Accelerate's ``get_state_dict``
-    and a stock ``save_pretrained`` read this. Every replica must call it (it gathers).
+    and a stock ``save_pretrained`` read this. Every replica must call it (it gathers); with
+    ``kept_here`` False it gives an empty dict (see ``full_state_dict``).
     """
-    state = {name: value for names, value in _gathered_params(root) for name in names}
+    params = _streamed_params(root, kept_here)
+    if not kept_here:
+        return {}
+    state = {name: value for names, value in params for name in names}
     for name, module in root.wrapper.named_modules():
         for local, buf in module._buffers.items():
             if buf is not None and local not in module._non_persistent_buffers_set:
@@ -74,17 +107,91 @@ def model_state_dict(root: UnitState) -> Dict[str, torch.Tensor]:
     return state
 
 
-def _gathered_params(root: UnitState) -> List[Tuple[Tuple[str, ...], torch.Tensor]]:
-    """Each full parameter on the CPU, with its names in the unwrapped model (tied: several)."""
-    units = [unit for _, unit in root.named_units()]
-    with holding_full_params(units, in_shard_dtype=True, writeback=False):
-        _xla.sync()  # one program gathers every unit; the copies below only transfer
-        return [
-            (tuple(full_name(prefix, name) for name in (slot.name, *slot.aliases)), slot.param.detach().cpu())
-            for prefix, unit in root.named_units()
-            for group in unit.param_groups
-            for slot in group.slots
-        ]
+# -- streaming the full parameters ------------------------------------------------------------
+#
+# [Note: streamed full state dicts]
+# A full state dict is gathered a piece at a time, never a unit at once: each program
+# all-gathers at most GATHER_BYTES of full tensors (rows of the shards, the same rows on every
+# replica), and a replica that keeps the state dict copies each piece into the host tensor of its
+# parameter at once, so what is gathered is freed before the next program. The full parameters
+# the modules use stay freed throughout. A replica holds at most the host tensors it keeps (the
+# whole model, on the replica that writes it; nothing on the others) plus one program's
+# gathered pieces: on XLA:CPU, where device buffers are host memory too, GATHER_BYTES per
+# replica. Gathering whole units, every one at once, and copying them out afterwards, cost
+# about 2.9 full models per replica (issue 27).
+
+GATHER_BYTES = 16 * 2**20
+
+
+def _streamed_params(root: UnitState, kept_here: bool) -> List[Tuple[Tuple[str, ...], torch.Tensor]]:
+    """Each full parameter on the CPU with its names in the unwrapped model (tied: several),
+    unit by unit; with ``kept_here`` False none (the replica only takes part in the gathers)."""
+    out: List[Tuple[Tuple[str, ...], torch.Tensor]] = []
+    pending = _PendingPieces(kept_here)
+    for prefix, unit in root.named_units():
+        for group in unit.param_groups:
+            hosts = [torch.empty(slot.shape, dtype=group.shard.dtype) if kept_here else None for slot in group.slots]
+            for slot, host in zip(group.slots, hosts):
+                if host is not None:
+                    out.append((tuple(full_name(prefix, name) for name in (slot.name, *slot.aliases)), host))
+            pending.gather(group, hosts)
+    pending.drain()
+    return out
+
+
+class _PendingPieces:
+    """Pieces of shards all-gathered in the program being traced, and where each goes."""
+
+    def __init__(self, kept_here: bool) -> None:
+        self.kept_here = kept_here
+        self.pieces: List[Tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        self.bytes = 0
+
+    @torch.no_grad()
+    def gather(self, group: ShardedParamGroup, hosts: List[Optional[torch.Tensor]]) -> None:
+        shard = group.shard.detach()
+        world = group.sharding.world_size
+        rows = shard.size(0)
+        row_bytes = shard[:1].numel() * shard.element_size() * world
+        step = max(1, GATHER_BYTES // row_bytes)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            if self.bytes and self.bytes + (stop - start) * row_bytes > GATHER_BYTES:
+                self.drain()
+            piece = shard[start:stop]
+            if world > 1:
+                piece = _xla.all_gather(piece, group.sharding.groups, group.options.pin_layout_in_collective_ops)
+            self.pieces.append((piece, functools.partial(_place, group, hosts, start, stop - start)))
+            self.bytes += (stop - start) * row_bytes
+
+    def drain(self) -> None:
+        """Run the gathers traced so far (every replica) and copy the pieces into host tensors."""
+        if not self.pieces:
+            return
+        _xla.sync()
+        if self.kept_here:
+            for piece, place in self.pieces:
+                place(piece.cpu())
+        self.pieces.clear()
+        self.bytes = 0
+
+
+def _place(
+    group: ShardedParamGroup, hosts: List[Optional[torch.Tensor]], start: int, count: int, gathered: torch.Tensor
+) -> None:
+    """Copy ``gathered`` (rows ``[start, start + count)`` of every replica's shard, replica after
+    replica) into the host tensors of the group's parameters. The padded full tensor is the
+    replicas' shards end to end along dim 0 (flattened for a flat group; a dim-0 group's one
+    parameter by rows), and each parameter spans ``[offset, offset + its length)`` of it."""
+    rows = group.shard.size(0)
+    for rank in range(group.sharding.world_size):
+        lo = rank * rows + start
+        part = gathered[rank * count : (rank + 1) * count]
+        for slot, host in zip(group.slots, hosts):
+            target = host if group.spec.dim0 else host.view(-1)
+            begin, end = max(lo, slot.offset), min(lo + count, slot.offset + target.size(0))
+            if begin < end:
+                target[begin - slot.offset : end - slot.offset] = part[begin - lo : end - lo]
 
 
 def _buffer_on_host(root: UnitState, name: str, buf: torch.Tensor) -> torch.Tensor:

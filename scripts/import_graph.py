@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # only without a circle.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
     # the platform: the adapter over torch_xla, and XLA:CPU replica threads behaving as processes
-    ("xla_cpu.replica_run", "tpu_compiler"),  # tpu_compiler imports nothing of ours (run in .tpu-venv)
+    # tpu_compiler imports nothing of ours (run in .tpu-venv)
+    ("xla_cpu.replica_run", "tpu_compiler", "host_memory"),
     ("_xla",),
     ("xla_cpu.graph_boundaries",),
     ("xla_cpu.rendezvous",),
@@ -55,7 +56,12 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     # the Accelerate room
     ("hf_accelerate.plugin",),
     ("hf_accelerate.launch", "hf_accelerate.optimizer"),
-    ("hf_accelerate.pretrained_loading", "hf_accelerate.checkpoints", "hf_accelerate.unwrapped_generate"),
+    (
+        "hf_accelerate.pretrained_loading",
+        "hf_accelerate.checkpoints",
+        "hf_accelerate.unwrapped_generate",
+        "hf_accelerate.unwrapped_save",
+    ),
     ("hf_accelerate.bucket_state",),
     ("hf_accelerate.accelerator",),
     ("hf_accelerate",),

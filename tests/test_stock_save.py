@@ -17,6 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
 from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
+from accel_xla_fsdp.state_dict import full_name
 
 STEPS = 3
 BATCH = 8  # global batch, split between the replicas
@@ -198,3 +199,116 @@ def test_lora_trains_exactly_and_saves_its_adapter(
             torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5, msg=folder)
             merged = loaded.merge_and_unload()
             torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4, msg=folder)
+
+
+# -- the stream -----------------------------------------------------------------------------------
+
+PIECE_BYTES = 4096  # a quarter of the tiny model's embedding: every parameter of it in several programs
+
+
+class StreamRecord:
+    """What each replica's streamed state dicts did, recorded by wrapping state_dict.py's pieces."""
+
+    def __init__(self) -> None:
+        self.programs: Dict[int, List[Dict[str, int]]] = {}  # rank -> each program's figures
+        self.placed: Dict[int, int] = {}  # rank -> pieces copied into host tensors
+
+    def install(self, root_units: List[Any]) -> None:
+        from accel_xla_fsdp import state_dict
+
+        record, drain, place = self, state_dict._PendingPieces.drain, state_dict._place
+        self.restore = lambda: (
+            setattr(state_dict._PendingPieces, "drain", drain),
+            setattr(state_dict, "_place", place),
+            setattr(state_dict, "GATHER_BYTES", self.budget),
+        )
+        self.budget = state_dict.GATHER_BYTES
+
+        def recorded_drain(pending: Any) -> None:
+            if pending.pieces:
+                units_holding = sum(any(g.gathered for g in unit.param_groups) for unit in root_units)
+                record.programs.setdefault(_rank(), []).append({"bytes": pending.bytes, "units": units_holding})
+            drain(pending)
+
+        def recorded_place(*args: Any) -> None:
+            record.placed[_rank()] = record.placed.get(_rank(), 0) + 1
+            place(*args)
+
+        state_dict._PendingPieces.drain = recorded_drain
+        state_dict._place = recorded_place
+        state_dict.GATHER_BYTES = PIECE_BYTES
+
+
+def _rank() -> int:
+    from accel_xla_fsdp import _xla
+
+    return _xla.global_rank()
+
+
+_RECORD = StreamRecord()
+
+
+def streamed_stock_save(rank: int, world: int, out: str) -> Dict[str, Any]:
+    from accel_xla_fsdp import _xla
+    from accel_xla_fsdp.xla_cpu.rendezvous import agree
+
+    acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=True))
+    model = tied_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = acc.prepare(model, optimizer)
+    train(acc, model, optimizer, rank, world)
+    units = [unit for _, unit in model.unit_state.named_units()]
+    agree("install the recorder")
+    if rank == 0:
+        _RECORD.programs.clear()
+        _RECORD.placed.clear()
+        _RECORD.install(units)
+    agree("recorder installed")
+    try:
+        acc.unwrap_model(model).save_pretrained(
+            f"{out}/stock", is_main_process=acc.is_main_process, save_function=acc.save
+        )
+        acc.save_model(model, f"{out}/save_model")
+    finally:
+        agree("saved")
+        if rank == 0:
+            _RECORD.restore()
+    # what the code before streaming gave: every unit gathered at once, then copied to the host
+    with model.summon_full_params(writeback=False):
+        _xla.sync()
+        reference = {
+            full_name(prefix, slot.name): slot.param.detach().cpu().clone()
+            for prefix, unit in model.unit_state.named_units()
+            for group in unit.param_groups
+            for slot in group.slots
+        }
+    agree("reference taken")
+    return {
+        "programs": list(_RECORD.programs.get(rank, [])),
+        "placed": _RECORD.placed.get(rank, 0),
+        "reference": reference,
+    }
+
+
+def test_stock_save_streams_and_writes_what_it_wrote_before(pools, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    results = pools[4].run(streamed_stock_save, 4, str(tmp_path))
+    for rank, result in enumerate(results):
+        programs = result["programs"]
+        # two saves, each in many programs of at most PIECE_BYTES gathered, no unit's full
+        # parameters gathered in any of them
+        assert len(programs) >= 2 * 16, (rank, len(programs))
+        assert max(p["bytes"] for p in programs) <= PIECE_BYTES, rank
+        assert all(p["units"] == 0 for p in programs), rank
+        if rank == 0:
+            assert result["placed"] > 0
+        else:
+            assert result["placed"] == 0, f"replica {rank} copied full tensors to the host in a save"
+    reference = results[0]["reference"]
+    for folder in ("stock", "save_model"):
+        saved = load_file(str(tmp_path / folder / "model.safetensors"))
+        # the tied lm_head is saved once, under the embedding's name, as before
+        assert set(saved) == set(reference) - {"lm_head.weight"}, folder
+        for name, value in saved.items():
+            assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), f"{folder}: {name}"

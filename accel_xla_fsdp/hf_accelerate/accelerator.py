@@ -33,18 +33,19 @@ from accelerate.data_loader import DataLoaderShard, MpDeviceLoaderWrapper
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, synchronize_rng_states
 
-from .. import _xla
+from .. import _xla, host_memory
 from ..checkpoint.store import Location
 from ..checkpointing import checkpoint_module
 from ..construction import FlatShardKey
 from ..fsdp import XlaFullyShardedDataParallel
-from ..state_dict import shards_by_name
+from ..state_dict import model_state_dict, shards_by_name
 from ..xla_cpu import host_collectives
 from ..xla_cpu.rendezvous import agree, broadcast_from_rank0_, replicas_are_threads
 from . import bucket_state, checkpoints, launch, pretrained_loading
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin
 from .unwrapped_generate import route_generate
+from .unwrapped_save import route_save_pretrained
 
 logger = get_logger(__name__)
 
@@ -148,6 +149,7 @@ class Accelerator(accelerate.Accelerator):
             f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units"
         )
         route_generate(wrapped)  # unwrap_model(model).generate(...), as transformers' seq2seq examples call it
+        route_save_pretrained(wrapped)  # unwrap_model(model).save_pretrained(...): kept where written
         return wrapped
 
     def prepare_model(
@@ -229,10 +231,12 @@ class Accelerator(accelerate.Accelerator):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         """The unwrapped model's ``state_dict()`` (its keys and dtypes), full tensors on the CPU, on
         every replica (Accelerate's GPU FSDP gives it on the main process only): call it on every
-        replica."""
+        replica. Streamed ([Note: streamed full state dicts]): a replica holds the copy it returns."""
         if isinstance(model, XlaFullyShardedDataParallel):
             agree("get_state_dict")
-            return model.model_state_dict()
+            state = model.model_state_dict()
+            host_memory.give_back()  # what the transfers freed
+            return state
         return super().get_state_dict(model, unwrap)
 
     def save_model(
@@ -249,7 +253,8 @@ class Accelerator(accelerate.Accelerator):
             logger.error(f"Provided path ({save_directory}) should be a directory, not a file")
             return
         agree("save_model")
-        state = model.model_state_dict()
+        # Only the main process writes, so only it keeps the streamed state dict.
+        state = model_state_dict(model.unit_state, kept_here=self.is_main_process)
         # As Accelerate's does (huggingface_hub's writer, for a model without save_pretrained, does not).
         os.makedirs(save_directory, exist_ok=True)
         if self.is_main_process:
@@ -267,6 +272,8 @@ class Accelerator(accelerate.Accelerator):
                 save_torch_state_dict(
                     state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
                 )
+        del state
+        host_memory.give_back()
         self.wait_for_everyone()
 
     def _save_model_to_store(
@@ -275,7 +282,7 @@ class Accelerator(accelerate.Accelerator):
         """``save_model`` to a URL: written as into a local folder, in a temporary one, then every
         file uploaded (the index or ``model.safetensors`` last, so that what loads is whole)."""
         agree("save_model")
-        state = model.model_state_dict()
+        state = model_state_dict(model.unit_state, kept_here=self.is_main_process)  # kept where written
         if self.is_main_process:
             with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-model-") as local:
                 save_pretrained = getattr(model.module, "save_pretrained", None)

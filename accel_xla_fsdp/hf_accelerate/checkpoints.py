@@ -46,7 +46,7 @@ from accelerate.checkpointing import (
 from accelerate.utils import RNG_STATE_NAME
 from accelerate.utils import load as accelerate_load
 
-from .. import _xla
+from .. import _xla, host_memory
 from ..checkpoint import CheckpointError, ShardedCheckpoint, consolidate, load_sharded, save_sharded
 from ..checkpoint.files import numbered_folders
 from ..checkpoint.format import RECORD
@@ -138,6 +138,7 @@ def save(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], full_st
     accelerator.wait_for_everyone()
     if main:
         commit_folder(partial, target)
+    host_memory.give_back()  # the shards' host copies, written
     accelerator.wait_for_everyone()
 
 
@@ -251,6 +252,7 @@ def load(accelerator: Any, folder: Path, pairs: List[ModelAndOptimizer], load_kw
             load_custom_state(obj, str(folder), index)
         if "step" not in restored:
             restored["step"] = saved_step(folder)
+    host_memory.give_back()  # what staging the shards freed
     return restored
 
 

@@ -42,9 +42,11 @@ import transformers.trainer
 from accelerate.logging import get_logger
 from transformers.trainer import SCHEDULER_NAME
 
+from .. import host_memory
 from ..checkpoint import CheckpointError, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 from ..hf_accelerate.accelerator import Accelerator, XlaDataLoader
+from ..state_dict import kept_on_this_replica
 from ..xla_cpu.rendezvous import agree
 from .arguments import check_precision, fixed_shapes, plugin_from_training_args
 from .resume import SHARDED_DIR, incomplete_reason, is_newest, newest_complete
@@ -166,10 +168,17 @@ class XlaFsdpTrainerMixin(_TrainerBase):
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The whole model in the Hugging Face layout (``from_pretrained`` loads it); in a
         checkpoint (``_internal_call``), the sharded model and optimizer instead. Every replica
-        calls it (the Trainer does)."""
+        calls it (the Trainer does); the whole model is kept only on the replica that writes it
+        ([Note: streamed full state dicts])."""
         model = self._sharded_model()
-        if model is None or not _internal_call:
+        if model is None:
             return super().save_model(output_dir, _internal_call)
+        if not _internal_call:
+            try:
+                with kept_on_this_replica(self.args.should_save):
+                    return super().save_model(output_dir, _internal_call)
+            finally:
+                host_memory.give_back()
         output_dir = output_dir or self._output_dir()
         optimizer = None if self.args.save_only_model else self._raw_optimizer()
         save_sharded(model, optimizer, os.path.join(output_dir, SHARDED_DIR))
