@@ -188,6 +188,7 @@ def _place(
         lo = rank * rows + start
         part = gathered[rank * count : (rank + 1) * count]
         for slot, host in zip(group.slots, hosts):
+            assert host is not None  # placed only on the replica that keeps the state dict
             target = host if group.spec.dim0 else host.view(-1)
             begin, end = max(lo, slot.offset), min(lo + count, slot.offset + target.size(0))
             if begin < end:
