@@ -27,7 +27,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, cast
 
 import torch
 import torch_xla
@@ -110,6 +110,7 @@ def check_graph_cut() -> None:
     the traced platform's form, which this device cannot run (``xla_cpu/graph_boundaries.py``
     calls this at every cut)."""
     if _foreign_collectives:
+        assert _traced is not None  # counted only while tracing (reset when it ends)
         raise RuntimeError(
             f"a graph holding {_foreign_collectives} collective(s) in {_traced.platform} form was cut while "
             f"tracing as {_traced}: it cannot run here. Export the pending step instead "
@@ -167,9 +168,9 @@ def cpu_device_env(num_devices: int) -> dict:
 
 def local_devices() -> List[torch.device]:
     """The XLA devices this process drives, one replica thread each on the CPU."""
-    devices = xm.get_xla_supported_devices()
+    devices = [torch.device(d) for d in xm.get_xla_supported_devices()]
     xm.set_replication(torch_xla.device(), devices)
-    return [torch.device(d) for d in devices]
+    return devices
 
 
 def enter_replica_thread(dev: torch.device) -> None:
@@ -310,11 +311,11 @@ def order_after(tensor: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Ten
 
 
 def rng_state(dev: torch.device) -> int:
-    return xm.get_rng_state(dev)
+    return xm.get_rng_state(str(dev))
 
 
 def set_rng_state(seed: int, dev: torch.device) -> None:
-    xm.set_rng_state(seed, dev)
+    xm.set_rng_state(seed, str(dev))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +457,14 @@ def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_la
         return [all_gather(tensors[0], groups, pin_layout)]
     if not on_cpu():
         _native_collective()
-        return xm.all_gather(list(tensors), dim=0, groups=_explicit_groups(groups), pin_layout=False)
+        # torch_xla types all_gather for one tensor; given a list it gathers them as one op.
+        gathered = xm.all_gather(
+            list(tensors),  # type: ignore[arg-type]
+            dim=0,
+            groups=_explicit_groups(groups),
+            pin_layout=False,
+        )
+        return cast(List[torch.Tensor], gathered)
     sizes = [t.numel() for t in tensors]
     gathered = all_gather(torch.cat([t.reshape(-1) for t in tensors]), groups, pin_layout=False)
     columns = gathered.view(-1, sum(sizes)).split(sizes, dim=1)
@@ -478,7 +486,8 @@ def reduce_scatter_sum_coalesced(
         return [reduce_scatter_sum(tensors[0], shard_count, scale, groups, pin_layout)]
     if not on_cpu():
         _native_collective()
-        return xm.reduce_scatter(
+        # torch_xla types reduce_scatter as returning one tensor; given a list it returns a list.
+        return xm.reduce_scatter(  # type: ignore[return-value]
             xm.REDUCE_SUM,
             list(tensors),
             scale=scale,

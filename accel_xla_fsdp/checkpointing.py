@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from . import _xla
 
@@ -81,7 +81,15 @@ def _checkpointed_call(module: nn.Module, fn: Callable, args: tuple, kwargs: dic
 class _Call:
     """The checkpointed call with its non-tensor arguments, to be replayed with new tensors."""
 
-    def __init__(self, module, fn, leaves, spec, tensor_positions, out_spec) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        leaves: List[Any],
+        spec: TreeSpec,
+        tensor_positions: List[int],
+        out_spec: List[Any],
+    ) -> None:
         self.module, self.fn, self.leaves, self.spec = module, fn, leaves, spec
         self.tensor_positions, self.out_spec = tensor_positions, out_spec
 
@@ -105,7 +113,7 @@ def _split_outputs(outputs: Any) -> Tuple[List[Tuple[Any, bool]], Any, List[torc
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: _Call, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.call = call
         ctx.device = next((t.device for t in tensors if _xla.is_xla_device(t.device)), None)
         ctx.rng = _xla.rng_state(ctx.device) if ctx.device is not None else None
@@ -117,7 +125,7 @@ class _CheckpointFunction(torch.autograd.Function):
         return tuple(out_tensors)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> Tuple[Any, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         _xla.optimization_barrier_(
@@ -133,7 +141,7 @@ class _CheckpointFunction(torch.autograd.Function):
 
 
 @contextmanager
-def _same_rng(ctx) -> Iterator[None]:
+def _same_rng(ctx: Any) -> Iterator[None]:
     """Replay the forward's random numbers (dropout masks) in the recomputation."""
     if ctx.rng is None:
         yield

@@ -85,11 +85,12 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[ParamInitFn]) ->
     for prefix, m in _modules_outside_units(module):
         if not _has_meta_tensors(m):
             continue
+        reset_parameters = getattr(m, "reset_parameters", None)
         if param_init_fn is not None:
             param_init_fn(m)
-        elif callable(getattr(m, "reset_parameters", None)):
+        elif callable(reset_parameters):
             m.to_empty(device="cpu", recurse=False)
-            m.reset_parameters()
+            reset_parameters()
         else:
             raise ValueError(
                 f"'{prefix or type(module).__name__}' ({type(m).__name__}) has tensors on the meta device "

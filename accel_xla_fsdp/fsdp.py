@@ -250,7 +250,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         units = [u for _, u in self.unit_state.named_units()]
         with holding_full_params(units, in_shard_dtype=False, writeback=False):
             _xla.sync()
-            return self.module.generate(*args, **kwargs)
+            model: Any = self.module  # a transformers model: nn.Module's types know no generate()
+            return model.generate(*args, **kwargs)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded state dict of the original module, on the CPU, under its own names:
@@ -286,7 +287,8 @@ class XlaFullyShardedDataParallel(nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> nn.Module:
-        return self.module.__getitem__(key)
+        container: Any = self.module  # a container module (nn.Sequential, nn.ModuleList)
+        return container[key]
 
     def extra_repr(self) -> str:
         s = self.sharding

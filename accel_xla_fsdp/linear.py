@@ -14,7 +14,7 @@ change the others' forward mid-trace.
 from __future__ import annotations
 
 from types import MethodType
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -26,13 +26,13 @@ class PatchedLinearFunction(torch.autograd.Function):
     """``F.linear`` whose saved tensors are the input and the weight parameter."""
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
         ctx.has_bias = bias is not None
         return torch._C._nn.linear(input, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         input, weight = ctx.saved_tensors
         grad_out_2d = grad_output.reshape(-1, grad_output.size(-1))
         grad_input = grad_weight = grad_bias = None
@@ -62,7 +62,7 @@ def patch_linear_modules(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, nn.Linear) and _is_stock_linear_forward(m):
             setattr(m, _ORIGINAL_FORWARD, m.forward)
-            m.forward = MethodType(_patched_forward, m)
+            m.forward = MethodType(_patched_forward, m)  # type: ignore[method-assign]  # per instance, on purpose
             patched += 1
     return patched
 

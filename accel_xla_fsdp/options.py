@@ -52,7 +52,7 @@ class FsdpOptions:
     The wrapper takes these fields as its keyword arguments (torch_xla's spelling) and keeps them
     as ``unit.options``. ``None`` defaults are resolved when the options are made
     (``compute_dtype`` to float32, ``buffer_dtype`` to the compute dtype, ``shard_size_multiple``
-    to the platform's).
+    to the platform's): those fields are typed as what they hold after that, never ``None``.
     """
 
     reshard_after_forward: bool = _option(
@@ -92,12 +92,12 @@ class FsdpOptions:
         True,
         "The root unit keeps its parameters from forward to backward, which starts right after it.",
     )
-    compute_dtype: Optional[torch.dtype] = _option(
+    compute_dtype: torch.dtype = _option(
         None,
         "Dtype of gathered parameters and floating inputs (None: float32). Shards, gradients and "
         "optimizer state stay in the parameters' own dtype.",
     )
-    buffer_dtype: Optional[torch.dtype] = _option(
+    buffer_dtype: torch.dtype = _option(
         None,
         "Dtype of floating buffers (None: the compute dtype).",
     )
@@ -143,7 +143,7 @@ class FsdpOptions:
         "at 4 devices.",
         accelerate="fsdp_backward_prefetch",
     )
-    shard_size_multiple: Optional[int] = _option(
+    shard_size_multiple: int = _option(
         None,
         "Pad shards to a multiple of this many elements per replica, gathered as rows of that "
         "width (None: 2048 on a TPU, whole (16, 128) tiles, which its compiler keeps as "
@@ -313,6 +313,8 @@ class ShardingGroup:
         if options.sharding_groups is None:
             return cls(rank=_xla.global_rank(), world_size=_xla.world_size())
         groups, rank, world_size = options.sharding_groups, options.sharding_rank, options.sharding_world_size
+        # FsdpOptions checked that sharding_groups comes with both of these.
+        assert rank is not None and world_size is not None
         check_sharding_groups(groups, rank, world_size, _xla.global_rank(), _xla.world_size())
         return cls(rank=rank, world_size=world_size, groups=[list(g) for g in groups])
 

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import traceback
 from contextlib import contextmanager
@@ -151,18 +152,19 @@ class DevicePool:
         raise _replica_exception(rank, self.num_devices, exc, tb_text)
 
     def close(self) -> None:
-        if self._process is None:
+        process, conn = self._process, self._conn
+        if process is None or conn is None:  # set together by _ensure_started
             return
-        if self._process.is_alive():
+        if process.is_alive():
             try:
-                _send(self._conn, None)
-                self._process.join(timeout=5)
+                _send(conn, None)
+                process.join(timeout=5)
             except (BrokenPipeError, OSError):
                 pass
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._conn.close()
+        if process.is_alive():
+            process.kill()
+            process.join()
+        conn.close()
         self._process = self._conn = None
 
     def _ensure_started(self) -> None:
@@ -235,7 +237,8 @@ def _replica_exception(rank: int, world: int, exc: Optional[BaseException], tb_t
     if exc is None:
         return ReplicaError(f"{note}:\n{tb_text}")
     exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in replica {rank} of {world}:\n{tb_text}")
-    exc.add_note(note)
+    if sys.version_info >= (3, 11):  # add_note is new in 3.11; on 3.10 the cause names the replica
+        exc.add_note(note)
     return exc
 
 

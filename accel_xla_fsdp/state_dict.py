@@ -188,6 +188,7 @@ def _place(
         lo = rank * rows + start
         part = gathered[rank * count : (rank + 1) * count]
         for slot, host in zip(group.slots, hosts):
+            assert host is not None  # placed only on the replica that keeps the state dict
             target = host if group.spec.dim0 else host.view(-1)
             begin, end = max(lo, slot.offset), min(lo + count, slot.offset + target.size(0))
             if begin < end:
@@ -228,12 +229,9 @@ def shard_metadata(root: UnitState) -> Dict[str, Any]:
             "shard_param_on_dim_0": unit.options.shard_param_on_dim_0,
         }
         for g in unit.param_groups:
-            if g.spec.flat_names is not None:
-                flatten_info[join(prefix, g.spec.orig_name)] = (
-                    list(g.spec.flat_names),
-                    list(g.spec.flat_shapes),
-                    [s.numel() for s in g.spec.flat_shapes],
-                )
+            names, shapes = g.spec.flat_names, g.spec.flat_shapes  # both set for a flat group
+            if names is not None and shapes is not None:
+                flatten_info[join(prefix, g.spec.orig_name)] = (list(names), list(shapes), [s.numel() for s in shapes])
     buffer_info = {
         name: {"_orig_dtype": dtype}
         for name, _ in root.wrapper.named_buffers()

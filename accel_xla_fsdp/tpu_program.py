@@ -21,12 +21,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 import torch_xla
 
 from . import _xla
+
+if TYPE_CHECKING:
+    from .fsdp import XlaFullyShardedDataParallel
 
 _ENTRY = re.compile(r"^ENTRY [^\n]*\((?P<params>[^)]*)\) -> ", re.M)
 _PARAM_SHAPE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
@@ -115,6 +118,7 @@ def _check_parameter_order(text: str, param_data: Sequence[torch.Tensor]) -> Non
     """The device-data nodes and the entry's parameters agree in count and shapes (the aliasing
     rests on their order)."""
     entry = _ENTRY.search(text)
+    assert entry is not None, "an HLO module has an ENTRY computation"
     shapes = [tuple(int(d) for d in m["dims"].split(",") if d) for m in _PARAM_SHAPE.finditer(entry["params"])]
     data_shapes = [tuple(t.shape) for t in param_data]
     if shapes != data_shapes:
@@ -131,7 +135,7 @@ def _with_aliases(text: str, aliases: Dict[int, int]) -> str:
     return _MODULE_LINE.sub(lambda m: f"HloModule {m['name']}, input_output_alias={{ {entries} }}", text, count=1)
 
 
-def communication_floor(root: torch.nn.Module, training: bool = True, micro_batches: int = 1) -> float:
+def communication_floor(root: XlaFullyShardedDataParallel, training: bool = True, micro_batches: int = 1) -> float:
     """The ring traffic per chip (bytes sent) below which no FSDP step of ``root`` goes: each
     parameter gathered once per forward and, training, once again per backward unless its unit
     keeps it (the root with ``disable_reshard_on_root``, or ``reshard_after_forward=False``), in

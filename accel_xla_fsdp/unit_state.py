@@ -96,7 +96,7 @@ class UnitState:
         "buffer_orig_dtypes",
         "training_state",
         "summoned",
-        "root_state",
+        "_root_state",
         "__weakref__",
     )
 
@@ -118,13 +118,25 @@ class UnitState:
         self.buffer_orig_dtypes = buffer_orig_dtypes  # by name under the wrapper
         self.training_state = TrainingState.IDLE
         self.summoned = False  # inside summon_full_params: forwards keep the full parameters
-        self.root_state: Optional[RootState] = None  # set by the root (RootState)
+        self._root_state: Optional[RootState] = None  # set by the root (RootState)
 
     def install_hooks(self) -> None:
         for group in self.param_groups:
             self.ensure_grad_hooks(group)
         self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
         self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+
+    @property
+    def root_state(self) -> RootState:
+        """What the units of this model share: set when the root is built, before any hook runs."""
+        state = self._root_state
+        if state is None:
+            raise RuntimeError("this FSDP unit is used before the root wrapper around it was built")
+        return state
+
+    @root_state.setter
+    def root_state(self, state: RootState) -> None:
+        self._root_state = state
 
     @property
     def is_root(self) -> bool:
@@ -344,8 +356,9 @@ class RootState:
             unit.training_state = TrainingState.IDLE
         root = self.root
         if root.options.optimization_barrier_in_backward:
-            shards = [p for p in root.wrapper.parameters() if p.grad is not None]
-            _xla.optimization_barrier_(shards + [p.grad for p in shards] + self.backward_deps + self.reduced_grads)
+            shards: List[torch.Tensor] = [p for p in root.wrapper.parameters() if p.grad is not None]
+            grads = [p.grad for p in shards if p.grad is not None]
+            _xla.optimization_barrier_(shards + grads + self.backward_deps + self.reduced_grads)
         self.backward_deps.clear()
         self.reduced_grads.clear()
         self.finalize_queued = False

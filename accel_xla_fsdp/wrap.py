@@ -71,7 +71,7 @@ class TransformerBlockPolicy:
 
     def for_model(self, model: nn.Module) -> Policy:
         named = self.block_classes is not None
-        wanted = self.block_classes if named else _no_split_modules(model)
+        wanted = self.block_classes if self.block_classes is not None else _no_split_modules(model)
         names = {c if isinstance(c, str) else c.__name__ for c in wanted}
         classes = {type(m) for m in model.modules() if type(m).__name__ in names}
         missing = names - {c.__name__ for c in classes}

@@ -263,12 +263,6 @@ class StepDumper:
         )
 
 
-def run_step(builder: StepBuilder, num_devices: int, dump_dir: Optional[Path] = None) -> StepReport:
-    """One training step of ``builder``'s model on ``num_devices`` devices, in a fresh device process."""
-    with StepDumper(num_devices, dump_dir) as dumper:
-        return dumper.report(builder)
-
-
 def _train_one_step(rank: int, builder: StepBuilder, dump_dir: str) -> _ReplicaFigures:
     step = builder(rank, _xla.world_size())
     # Replicas take turns at every sync and compile there in rank order: once the last one is past

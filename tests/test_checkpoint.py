@@ -265,6 +265,29 @@ def test_a_checkpoint_of_another_model_is_refused(pools, saved) -> None:
         assert "a checkpoint of another model" in message and "missing ['lm_head.weight'" in message
 
 
+def load_into_the_wrong_optimizer(rank: int, world: int, saved: str, without_optimizer: str) -> List[str]:
+    model = wrap("nested_linear", build("nested_linear"), rank, world, LAYOUTS["flat"])
+    save_sharded(model, None, without_optimizer)
+    messages = []
+    for directory, optimizer in (
+        (saved, torch.optim.SGD(model.parameters(), lr=0.1)),
+        (without_optimizer, adamw(model)),
+    ):
+        try:
+            load_sharded(model, optimizer, directory)
+        except CheckpointError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_optimizer_state_that_does_not_fit_is_refused(pools, saved, tmp_path) -> None:
+    for other_type, no_state in pools[2].run(load_into_the_wrong_optimizer, 2, str(saved), str(tmp_path)):
+        assert "saved with a AdamW of 1 param group(s), loading into a SGD of 1" in other_type
+        assert "saved without optimizer state" in no_state and "load with optimizer=None" in no_state
+
+
 # ---------------------------------------------------------------------------------------------
 # Pretrained weights straight into shards
 

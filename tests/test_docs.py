@@ -3,6 +3,7 @@ page records facts of one machine (its paths) or of uncommitted code (``-dirty``
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -63,3 +64,38 @@ def test_relative_links_resolve():
             if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
                 broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
     assert not broken, "\n".join(broken)
+
+
+def test_every_page_is_in_the_readme_table():
+    """A page no one can find from the README is a page no one reads."""
+    table = (REPO / "README.md").read_text().split("## Documentation", 1)[1].split("\n## ", 1)[0]
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if f"](docs/{p.name})" not in table]
+    assert not missing, f"docs pages not linked from the README's documentation table: {missing}"
+
+
+def _defined_names(path: Path) -> set:
+    """The functions and classes a module defines at top level, and its classes' methods as
+    ``Class.method``."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {
+                f"{node.name}.{n.name}" for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
+    return names
+
+
+def test_architecture_page_names_functions_that_exist():
+    """docs/architecture.md walks through the code naming each stop `module.py:function`: each
+    one must still be defined there (a rename or a move shows up here, not in a reader's search)."""
+    stops = set(re.findall(r"`([\w/]+\.py):([\w.]+)`", (REPO / "docs" / "architecture.md").read_text()))
+    assert len(stops) > 30, "the page names its stops as `module.py:function`"
+    package = REPO / "accel_xla_fsdp"
+    missing = [
+        f"{path}:{name}"
+        for path, name in sorted(stops)
+        if not (package / path).is_file() or name not in _defined_names(package / path)
+    ]
+    assert not missing, f"docs/architecture.md names what the package does not define: {missing}"

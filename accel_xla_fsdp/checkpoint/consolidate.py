@@ -40,7 +40,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -60,7 +60,7 @@ from .format import (
     ShardedCheckpoint,
     torch_dtype,
 )
-from .store import Location
+from .store import Location, PathLike
 from .torch_xla_files import TorchXlaCheckpoint
 
 WEIGHTS_NAME = "model.safetensors"
@@ -80,8 +80,8 @@ _SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
 
 
 def consolidate(
-    checkpoint_dir: Union[str, os.PathLike],
-    output_dir: Union[str, os.PathLike],
+    checkpoint_dir: PathLike,
+    output_dir: PathLike,
     *,
     max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
     config: Any = None,
@@ -89,7 +89,7 @@ def consolidate(
     optimizer: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-) -> Path:
+) -> Union[Path, Location]:
     """Write the model of a ``save_sharded`` checkpoint in the Hugging Face layout; returns ``output_dir``.
 
     Args:
@@ -122,7 +122,8 @@ def consolidate(
     """
     ckpt = ShardedCheckpoint(checkpoint_dir)
     try:
-        check_checkpoint(ckpt, optimizer)
+        if optimizer:
+            ckpt.optimizer_meta("leave out --optimizer")
         return write_hf_layout(ckpt, output_dir, max_shard_size, config, dtype, optimizer, overwrite, progress)
     finally:
         ckpt.close()
@@ -130,14 +131,14 @@ def consolidate(
 
 def convert_torch_xla(
     input_path: Union[str, os.PathLike],
-    output_dir: Union[str, os.PathLike],
+    output_dir: PathLike,
     *,
     max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
     config: Any = None,
     dtype: Union[None, str, torch.dtype] = None,
     overwrite: bool = False,
     progress: bool = True,
-) -> Path:
+) -> Union[Path, Location]:
     """Write a torch_xla-format checkpoint (torch_xla FSDP rank files ``*_rank-<r>-of-<N>.pth``,
     or the Trainer's ``rank<r>-of-<N>-pytorch_model.bin``; ``input_path`` is their directory or
     one of them) in the Hugging Face layout, as ``consolidate`` does for ours. The files are
@@ -148,14 +149,14 @@ def convert_torch_xla(
 
 def write_hf_layout(
     ckpt: Any,
-    output_dir: Union[str, os.PathLike],
+    output_dir: PathLike,
     max_shard_size: Union[int, str],
     config: Any,
     dtype: Union[None, str, torch.dtype],
     optimizer: bool,
     overwrite: bool,
     progress: bool,
-) -> Path:
+) -> Union[Path, Location]:
     """The Hugging Face layout of ``ckpt`` (a ``ShardedCheckpoint`` or ``TorchXlaCheckpoint``), in
     a local folder (returned as a ``Path``) or a bucket (a ``Location``)."""
     target = Location.of(output_dir)
@@ -243,15 +244,6 @@ def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
 # Checking the input
 
 
-def check_checkpoint(ckpt: ShardedCheckpoint, optimizer: bool) -> None:
-    """What ``ShardedCheckpoint`` does not check on opening: optimizer state, when asked for.
-    (Opening checked the record, every file's header and metadata, and that they agree.)"""
-    if optimizer and ckpt.metas[0].optimizer is None:
-        raise CheckpointError(
-            f"{ckpt.directory}: saved without optimizer state (save_sharded(model, None, ...)); leave out --optimizer"
-        )
-
-
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -304,8 +296,9 @@ class ModelInfo:
         order = {n: i for i, n in enumerate(state)}
         for n in params:
             order.setdefault(n, len(order))
-        if hasattr(model, "get_expanded_tied_weights_keys"):  # transformers 5
-            tied = dict(model.get_expanded_tied_weights_keys(all_submodels=True))
+        expanded_tied_keys = getattr(model, "get_expanded_tied_weights_keys", None)
+        if expanded_tied_keys is not None:  # transformers 5
+            tied = dict(expanded_tied_keys(all_submodels=True))
         else:  # transformers 4: a list of the names dropped when tied
             keys = getattr(model, "_tied_weights_keys", None) or []
             tied = {k: "" for k in keys if k in params} if getattr(config, "tie_word_embeddings", False) else {}
@@ -342,6 +335,10 @@ def _meta_model(config: Any) -> torch.nn.Module:
 # Planning the output
 
 
+# Elements [start, stop) of a tensor, flattened, in pieces, in any dtype.
+Reader = Callable[[int, int], List[torch.Tensor]]
+
+
 @dataclass
 class OutTensor:
     """One tensor of an output file: its name, shape and dtype as written, and where it comes from."""
@@ -349,7 +346,7 @@ class OutTensor:
     name: str
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    read: Callable[[int, int], List[torch.Tensor]]  # elements [start, stop) flattened, in pieces, any dtype
+    read: Reader
     buffer: bool = False
 
     @property
@@ -418,16 +415,16 @@ def model_tensors(
     def out_dtype(saved: torch.dtype) -> torch.dtype:
         return cast if cast is not None and saved.is_floating_point else saved
 
-    tensors = []
+    tensors: List[OutTensor] = []
     for name, (group, entry) in ckpt.params.items():
         for out in names[name]:
-            reader = lambda a, b, g=group, e=entry: ckpt.read_pieces(g, e.offset + a, e.offset + b)  # noqa: E731
-            tensors.append(OutTensor(out, entry.shape, out_dtype(torch_dtype(group.dtype)), reader))
+            tensors.append(
+                OutTensor(out, entry.shape, out_dtype(torch_dtype(group.dtype)), _param_reader(ckpt, group, entry))
+            )
     if model is not None:
         for name in model.buffers:
             shape, saved = ckpt.buffer_spec(name)
-            reader = lambda a, b, name=name: [ckpt.read_buffer(name).reshape(-1)[a:b]]  # noqa: E731
-            tensors.append(OutTensor(name, shape, out_dtype(saved), reader, buffer=True))
+            tensors.append(OutTensor(name, shape, out_dtype(saved), _buffer_reader(ckpt, name), buffer=True))
         tensors.sort(key=lambda t: model.order[t.name])
     return tensors
 
@@ -437,14 +434,17 @@ def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> T
     parameter as the parameters are; the others (Adam's ``step``) copied for each parameter of
     their group. And ``optimizer.json``: type, param groups with their parameters' names, and
     the non-tensor state."""
-    saved = ckpt.metas[0].optimizer
+    saved = ckpt.optimizer_meta("leave out --optimizer")
     states: Dict[str, List[str]] = {}
     for key in ckpt.tensor_names(0):
         if key.startswith(f"{OPTIM}/"):
-            group, _, state = key[len(OPTIM) + 1 :].rpartition("/")
-            states.setdefault(group, []).append(state)
-    out_names = lambda e: names[e.name]  # noqa: E731
-    tensors = []
+            group_key, _, state = key[len(OPTIM) + 1 :].rpartition("/")
+            states.setdefault(group_key, []).append(state)
+
+    def out_names(entry: ParamEntry) -> List[str]:
+        return names[entry.name]
+
+    tensors: List[OutTensor] = []
     for group in ckpt.groups.values():
         shard_shape = ckpt.tensor_header(0, f"{MODEL}/{group.key}").shape
         for state in sorted(states.get(group.key, [])):
@@ -468,19 +468,25 @@ def optimizer_tensors(ckpt: ShardedCheckpoint, names: Dict[str, List[str]]) -> T
     ]
     scalars: Dict[str, Dict[str, Any]] = {}
     for key, value in saved.get("scalars", {}).items():
-        group, _, state = key.rpartition("/")
-        for n in params_of.get(group, []):
+        group_key, _, state = key.rpartition("/")
+        for n in params_of.get(group_key, []):
             scalars.setdefault(n, {})[state] = value
     return tensors, {"type": saved["type"], "param_groups": param_groups, "state": scalars}
 
 
-def _optim_reader(
-    ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry, state: str
-) -> Callable[[int, int], torch.Tensor]:
+def _param_reader(ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry) -> Reader:
+    return lambda a, b: ckpt.read_pieces(group, entry.offset + a, entry.offset + b)
+
+
+def _buffer_reader(ckpt: ShardedCheckpoint, name: str) -> Reader:
+    return lambda a, b: [ckpt.read_buffer(name).reshape(-1)[a:b]]
+
+
+def _optim_reader(ckpt: ShardedCheckpoint, group: GroupEntry, entry: ParamEntry, state: str) -> Reader:
     return lambda a, b: ckpt.read_pieces(group, entry.offset + a, entry.offset + b, prefix=OPTIM, state=state)
 
 
-def _whole_reader(ckpt: ShardedCheckpoint, key: str) -> Callable[[int, int], torch.Tensor]:
+def _whole_reader(ckpt: ShardedCheckpoint, key: str) -> Reader:
     return lambda a, b: [ckpt.read_whole(0, key).reshape(-1)[a:b]]
 
 
@@ -627,7 +633,9 @@ def write_to_store(
             for name, tensors in sorted(files.items(), key=lambda item: item[0] == last):
                 target = out / name
 
-                def write(f: Any, target: Location = target, tensors: List[OutTensor] = tensors, name: str = name):
+                def write(
+                    f: Any, target: Location = target, tensors: List[OutTensor] = tensors, name: str = name
+                ) -> None:
                     write_safetensors_to(f, target, tensors, budget, bar, check=verifier.check)
                     if name == last:
                         verifier.finish()  # before the upload completes: a bad checksum leaves no model
@@ -739,7 +747,7 @@ def model_files(directory: Path) -> List[Path]:
     return sorted(p for p in directory.iterdir() if _MODEL_FILE.fullmatch(p.name)) if directory.is_dir() else []
 
 
-def check_output_dir(out: Path, written: Set[str], overwrite: bool) -> None:
+def check_output_dir(out: Path, written: AbstractSet[str], overwrite: bool) -> None:
     if out.is_symlink() and not out.exists():
         raise CheckpointError(f"{out}: a symbolic link to nothing")
     if out.exists() and not out.is_dir():
@@ -758,7 +766,7 @@ def check_free_space(out: Path, nbytes: int, what: str = "the output") -> None:
 
 
 @contextmanager
-def staging_dir(out: Path, written: Set[str] = frozenset(), overwrite: bool = True) -> Iterator[Path]:
+def staging_dir(out: Path, written: AbstractSet[str] = frozenset(), overwrite: bool = True) -> Iterator[Path]:
     """A new folder inside ``out`` (created, with its parents, if missing) to write into,
     locked while we write; on error it is removed, and so are the folders this created.
     What killed consolidations left in ``out`` is cleaned up (or finished) first."""

@@ -466,7 +466,7 @@ def read_record(directory: PathLike, *, committed: bool = True, path: Optional[L
             )
         return Record(FORMAT, None, None, 0, (), saves)
     per_save = new and "file_sizes" in raw
-    fields = ("format", "save_id", "world_size", "files")
+    fields: Tuple[str, ...] = ("format", "save_id", "world_size", "files")
     if new:
         fields += ("token", "file_sizes", "file_checksums") if per_save else ("token", "saves")
     check_dict(raw, where, fields)
@@ -481,7 +481,7 @@ def read_record(directory: PathLike, *, committed: bool = True, path: Optional[L
             want = f"{save_id}/{rank_file_name(rank, world)}"
             raise CheckpointError(f"{where}, files[{rank}]: expected a path like {want!r}, found {_short(name)}")
     token = None
-    saves: Tuple[str, ...] = (save_id,)
+    saves = (save_id,)
     sizes: Tuple[int, ...] = ()
     sums: Tuple[str, ...] = ()
     if new:
@@ -653,7 +653,8 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     flat = tensor.detach().contiguous().reshape(-1)
     digest = xxhash.xxh3_64()
     if flat.numel():
-        digest.update(flat.view(torch.uint8).numpy())
+        # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
+        digest.update(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return _formatted(digest)
 
 
@@ -704,7 +705,8 @@ class ShardedCheckpoint:
         self.directory = Location.of(directory)
         found = find_saves(self.directory)
         self.skipped = found.incomplete  # incomplete saves newer than the one read
-        if found.record is None or found.record.save_id is None:
+        record = found.record
+        if record is None or record.save_id is None:
             raise CheckpointError(_no_checkpoint(self.directory, found))
         if found.incomplete:
             logger.warning(
@@ -712,9 +714,8 @@ class ShardedCheckpoint:
                 self.directory,
                 ", ".join(found.incomplete),
                 RECORD,
-                found.record.save_id,
+                record.save_id,
             )
-        record = found.record
         self.format = record.format
         self.save_id: str = record.save_id
         self.token: Optional[str] = record.token
@@ -825,17 +826,22 @@ class ShardedCheckpoint:
                 raise CheckpointError(
                     f"{path}: {where} optimizer tensor {name!r}, unlike rank 0's file {first_path.name}"
                 )
-            for name, (shape, dtype) in optim.items():
-                if (shape, dtype) != optim_first[name]:
+            for name, (shape, tensor_dtype) in optim.items():
+                if (shape, tensor_dtype) != optim_first[name]:
                     raise CheckpointError(
-                        f"{path}: optimizer tensor {name!r} is {dtype} {list(shape)}, rank 0's is "
+                        f"{path}: optimizer tensor {name!r} is {tensor_dtype} {list(shape)}, rank 0's is "
                         f"{optim_first[name][1]} {list(optim_first[name][0])}"
                     )
 
-    def check_optimizer(self) -> None:
-        """The optimizer metadata is there (asked for by ``--optimizer`` / ``load_sharded``)."""
-        if self.metas[0].optimizer is None:
-            raise CheckpointError(f"{self.directory}: saved without optimizer state (save_sharded(model, None, ...))")
+    def optimizer_meta(self, remedy: str) -> Dict[str, Any]:
+        """The optimizer metadata (asked for by ``--optimizer`` / ``load_sharded``); a checkpoint
+        saved without one is refused, with ``remedy`` as what to do instead."""
+        saved = self.metas[0].optimizer
+        if saved is None:
+            raise CheckpointError(
+                f"{self.directory}: saved without optimizer state (save_sharded(model, None, ...)); {remedy}"
+            )
+        return saved
 
     # -- reading -------------------------------------------------------------------------
 
@@ -933,7 +939,7 @@ class ShardedCheckpoint:
         return read
 
 
-def _check_tensor(path: Path, header: FileHeader, key: str, count: Optional[int], dtype: torch.dtype) -> None:
+def _check_tensor(path: Location, header: FileHeader, key: str, count: Optional[int], dtype: torch.dtype) -> None:
     if key not in header.tensors:
         raise CheckpointError(f"{path}: has no tensor {key!r}, which its metadata lists")
     t = header.tensors[key]

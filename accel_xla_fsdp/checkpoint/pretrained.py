@@ -54,8 +54,9 @@ class PretrainedWeights:
         A ``transformers`` model built under ``init_empty_weights()`` is not tied yet
         (``from_pretrained`` ties after loading): tie it as ``from_pretrained`` would, so that a
         tied head is the embedding, stored once in the files."""
-        if callable(getattr(model, "tie_weights", None)):
-            model.tie_weights()
+        tie_weights = getattr(model, "tie_weights", None)
+        if callable(tie_weights):
+            tie_weights()
         for name, param in model.named_parameters(remove_duplicate=False):
             names = self._aliases.setdefault(id(param), [])
             if name not in names:

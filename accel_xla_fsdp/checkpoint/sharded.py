@@ -187,7 +187,8 @@ def write_rank_file(f: Any, tensors: Dict[str, torch.Tensor], metadata: Dict[str
     for name in order:
         t = tensors[name].contiguous().reshape(-1)
         if t.numel():
-            data = memoryview(t.view(torch.uint8).numpy())
+            # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
+            data = memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
             f.write(data)
             digest.update(data)
             written += len(data)
@@ -327,11 +328,15 @@ def _param_entries(prefix: str, group: ShardedParamGroup) -> Tuple[ParamEntry, .
     )
 
 
+# RankMeta's groups, buffers and optimizer fields.
+_Layout = Tuple[Tuple[GroupEntry, ...], Dict[str, str], Optional[Dict[str, Any]]]
+
+
 def _rank_tensors(
     model: XlaFullyShardedDataParallel,
     optimizer: Optional[torch.optim.Optimizer],
     groups: List[Tuple[str, str, ShardedParamGroup]],
-) -> Tuple[Dict[str, torch.Tensor], Tuple[Any, ...]]:
+) -> Tuple[Dict[str, torch.Tensor], _Layout]:
     """This rank's tensors, and its layout: (groups, buffers, optimizer) of ``RankMeta``."""
     tensors: Dict[str, torch.Tensor] = {}
     entries = []
@@ -452,9 +457,7 @@ def _check_same_model(
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, ckpt: ShardedCheckpoint) -> None:
-    saved = ckpt.metas[0].optimizer
-    if saved is None:
-        raise CheckpointError(f"{ckpt.directory}: saved without an optimizer; load with optimizer=None")
+    saved = ckpt.optimizer_meta("load with optimizer=None")
     if saved["type"] != type(optimizer).__name__ or len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{ckpt.directory}: saved with a {saved['type']} of {len(saved['param_groups'])} param group(s), "

@@ -13,6 +13,7 @@ and a rank's tensors are paged in as they are read, not loaded whole.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 from pathlib import Path
@@ -119,7 +120,7 @@ class TorchXlaCheckpoint:
     every rank's metadata against its name and rank 0's, the same tensors (names, dtypes,
     shapes) in every rank, each shard's ``_orig_size`` against the elements the shards hold."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | os.PathLike) -> None:
         self.directory = Path(path)
         self.files = find_rank_files(self.directory)
         self.world_size = len(self.files)
@@ -201,11 +202,12 @@ class TorchXlaCheckpoint:
         info = buffer_info.get(key)
         dtype = tensor.dtype
         if info is not None:
-            dtype = _dict(info, f"{self.files[0]}: buffer_info[{key!r}]").get("_orig_dtype")
-            if dtype not in SAFETENSORS_DTYPES:
+            orig_dtype = _dict(info, f"{self.files[0]}: buffer_info[{key!r}]").get("_orig_dtype")
+            if orig_dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(
-                    f"{self.files[0]}: buffer_info[{key!r}]['_orig_dtype'] is {str(dtype)[:40]}, not a dtype"
+                    f"{self.files[0]}: buffer_info[{key!r}]['_orig_dtype'] is {str(orig_dtype)[:40]}, not a dtype"
                 )
+            dtype = orig_dtype
         name = _clean(key)
         if name in self.buffers or name in self.params:
             raise CheckpointError(f"{self.files[0]}: {name!r} is named twice")
@@ -278,7 +280,7 @@ class TorchXlaCheckpoint:
     def read_pieces(self, group: GroupEntry, start: int, stop: int) -> List[torch.Tensor]:
         """Elements ``[start, stop)`` of ``group``'s virtual full tensor, as one piece per rank."""
         size = group.shard_numel
-        pieces = []
+        pieces: List[torch.Tensor] = []
         if stop <= start or size == 0:
             return pieces
         for rank in range(start // size, (stop - 1) // size + 1):

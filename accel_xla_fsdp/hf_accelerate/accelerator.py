@@ -106,21 +106,22 @@ class Accelerator(accelerate.Accelerator):
 
         Flat shards keep the param groups of the optimizers prepared with the model apart (one
         shard per unit and group), so that each group keeps its hyper-parameters."""
-        args = list(args)
-        optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
+        objects = list(args)
+        optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
         models_here = False
-        for i, obj in enumerate(args):
+        for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module) and not isinstance(obj, XlaFullyShardedDataParallel):
                 models_here = True
                 names = parameter_names(obj)
-                args[i] = self.shard_model(obj, flat_shard_key=param_group_key(optimizers))
-                by_name = shards_by_name(args[i].unit_state)
+                wrapped = self.shard_model(obj, flat_shard_key=param_group_key(optimizers))
+                objects[i] = wrapped
+                by_name = shards_by_name(wrapped.unit_state)
                 self._unwrapped_names.update(names)
                 self._shard_of.update({pid: by_name[name] for pid, name in names.items()})
         for optimizer in optimizers:
             if models_here or holds_any(optimizer, self._shard_of):
                 move_onto_shards(optimizer, self._unwrapped_names, self._shard_of)
-        return super().prepare(*args, device_placement=device_placement)
+        return super().prepare(*objects, device_placement=device_placement)
 
     def shard_model(
         self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None
@@ -140,7 +141,7 @@ class Accelerator(accelerate.Accelerator):
         wrapped = plugin.wrap(
             model,
             self.compute_dtype,
-            checkpoint_blocks=plugin.activation_checkpointing and not blocks,
+            checkpoint_blocks=bool(plugin.activation_checkpointing) and not blocks,
             flat_shard_key=flat_shard_key,
             param_init_fn=source,
         )
@@ -257,9 +258,9 @@ class Accelerator(accelerate.Accelerator):
         # As Accelerate's does (huggingface_hub's writer, for a model without save_pretrained, does not).
         os.makedirs(save_directory, exist_ok=True)
         if self.is_main_process:
-            inner = model.module
-            if hasattr(inner, "save_pretrained"):
-                inner.save_pretrained(
+            save_pretrained = getattr(model.module, "save_pretrained", None)
+            if save_pretrained is not None:
+                save_pretrained(
                     save_directory,
                     state_dict=state,
                     max_shard_size=max_shard_size,
@@ -284,9 +285,9 @@ class Accelerator(accelerate.Accelerator):
         state = model_state_dict(model.unit_state, kept_here=self.is_main_process)  # kept where written
         if self.is_main_process:
             with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-model-") as local:
-                inner = model.module
-                if hasattr(inner, "save_pretrained"):
-                    inner.save_pretrained(
+                save_pretrained = getattr(model.module, "save_pretrained", None)
+                if save_pretrained is not None:
+                    save_pretrained(
                         local, state_dict=state, max_shard_size=max_shard_size, safe_serialization=safe_serialization
                     )
                 else:
@@ -415,11 +416,13 @@ def _take_over_gradient_checkpointing(model: nn.Module) -> List[nn.Module]:
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    blocks: List[nn.Module] = [
+        m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
     if blocks:
         for m in model.modules():  # what gradient_checkpointing_disable() does, under any of its names
             if getattr(m, "gradient_checkpointing", False) is True:
-                m.gradient_checkpointing = False
+                setattr(m, "gradient_checkpointing", False)  # a plain attribute, not a tensor or module
         for block in blocks:
             checkpoint_module(block)
     return blocks

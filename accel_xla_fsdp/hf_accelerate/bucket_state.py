@@ -148,7 +148,8 @@ def complete_checkpoints(root: Location) -> List[Location]:
     """The complete ``checkpoint_<n>`` folders under ``root``, oldest first; the incomplete ones
     newer than the newest complete one are named in a warning."""
     numbered = sorted((int(m.group(1)), n) for n in root.names() if (m := _NUMBERED.fullmatch(n)))
-    complete, incomplete = [], []
+    complete: List[Location] = []
+    incomplete: List[str] = []
     for _, name in numbered:
         if STATE_RECORD in (root / name).names():
             complete.append(root / name)

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn as nn
 from accelerate.checkpointing import (
     load_accelerator_state,
     load_custom_state,
@@ -74,7 +73,9 @@ def consolidated_dir(folder: Path, index: int) -> Path:
     return folder / ("model" if index == 0 else f"model_{index}")
 
 
-def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> List[ModelAndOptimizer]:
+def pair_optimizers(
+    models: Sequence[XlaFullyShardedDataParallel], optimizers: Sequence[Any]
+) -> List[ModelAndOptimizer]:
     """Each prepared model with the optimizer over its shards (or None)."""
     pairs: List[ModelAndOptimizer] = []
     for model in models:

@@ -8,7 +8,7 @@ hyper-parameters and groups stay the user's.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -104,6 +104,6 @@ class XlaFsdpOptimizer(AcceleratedOptimizer):
     with other replicas' (different) shards would be wrong, so that reduction is marked done.
     """
 
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         self.gradient_state.is_xla_gradients_synced = True
         return super().step(closure)

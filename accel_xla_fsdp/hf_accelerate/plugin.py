@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpointing import checkpoint_module
-from ..construction import FlatShardKey, ParamInitFn
+from ..construction import FlatShardKey, ParamInitFn, ShardSource
 from ..fsdp import XlaFullyShardedDataParallel
 from ..options import FsdpOptions, argument_name, sharing_options
 from ..wrap import Policy, size_policy, transformer_block_policy
@@ -83,8 +83,8 @@ def parse_dtype(key: str, value: Any) -> torch.dtype:
 
 
 def parse_class_names(key: str, value: Any) -> Tuple[str, ...]:
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = tuple(str(n).strip() for n in names if str(n).strip())
+    given = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(n).strip() for n in given if str(n).strip())
     if not names:
         raise ValueError(f"{key}: expected one or more class names (comma-separated), got {value!r}")
     return names
@@ -299,6 +299,7 @@ class XlaFsdpPlugin:
         if policy == "transformer_based_wrap":
             return transformer_block_policy(self.transformer_cls_names_to_wrap)
         if policy == "size_based_wrap":
+            assert self.min_num_params is not None  # __post_init__ gave it its default
             return size_policy(self.min_num_params)
         return None
 
@@ -308,7 +309,7 @@ class XlaFsdpPlugin:
         compute_dtype: torch.dtype,
         checkpoint_blocks: bool,
         flat_shard_key: Optional[FlatShardKey] = None,
-        param_init_fn: Optional[ParamInitFn] = None,
+        param_init_fn: Optional[Union[ParamInitFn, ShardSource]] = None,
     ) -> XlaFullyShardedDataParallel:
         """``model`` sharded by these settings (block class names checked against it); with
         ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed.

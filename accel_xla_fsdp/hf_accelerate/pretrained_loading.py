@@ -32,7 +32,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,9 @@ from ..checkpoint.pretrained import PretrainedWeights
 from ..xla_cpu import patches, seeds
 from ..xla_cpu.rendezvous import broadcast_from_rank0_, replicas_are_threads
 from .plugin import configured
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _deferring = threading.local()
 # The models loaded with the key on, and the files of each (a wrapping model finds them through
@@ -244,7 +247,7 @@ def deferred_or(found: staticmethod) -> staticmethod:
     original = found.__func__
 
     def load(
-        model: nn.Module, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any
+        model: PreTrainedModel, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any, **kwargs: Any
     ) -> Any:
         call = getattr(_deferring, "call", None)
         if call is None:
@@ -256,7 +259,7 @@ def deferred_or(found: staticmethod) -> staticmethod:
 
 
 def _remember_files(
-    model: nn.Module, checkpoint_files: Optional[List[str]], load_config: Any
+    model: PreTrainedModel, checkpoint_files: Optional[List[str]], load_config: Any
 ) -> Tuple[Any, PretrainedWeights]:
     """The ``LoadStateDictInfo`` that ``_load_pretrained_model`` returns, having read nothing but
     the files' headers and the buffers they store, and the files, for ``prepare``."""
@@ -275,7 +278,8 @@ def _remember_files(
     for name in expected & stored:
         tensor = model.get_parameter_or_buffer(name)
         if isinstance(tensor, nn.Parameter):
-            tensor._is_hf_initialized = True  # stays on meta: prepare() reads its shards
+            # transformers' own mark of a loaded parameter, set on the fly (no declared attribute).
+            tensor._is_hf_initialized = True  # type: ignore[attr-defined]  # stays on meta: prepare() reads its shards
         else:
             _set_buffer(model, name, source.read_whole(name, tensor))
     info = LoadStateDictInfo(
@@ -317,7 +321,7 @@ def _refuse_renamed(folder: Path, stored: str, name: str) -> None:
     )
 
 
-def _check_shapes(source: PretrainedWeights, model: nn.Module, names: Iterable[str]) -> None:
+def _check_shapes(source: PretrainedWeights, model: PreTrainedModel, names: Iterable[str]) -> None:
     shapes = source.stored_shapes()
     for name in sorted(names):
         want = tuple(model.get_parameter_or_buffer(name).shape)

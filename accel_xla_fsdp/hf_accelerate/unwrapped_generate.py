@@ -2,7 +2,7 @@
 
 transformers' sequence-to-sequence examples evaluate with ``accelerator.unwrap_model(model).generate(...)``
 (Accelerate's FSDP2 leaves the hooks on the model itself, so that works on GPUs). Here the unwrapped
-model's own forward gathers its unit (hooks.py), but the ``generate`` of an encoder-decoder calls the
+model's own forward gathers its unit (unit_state.py), but the ``generate`` of an encoder-decoder calls the
 encoder and the decoder directly: submodules whose parameters, in the root unit (T5's shared embedding),
 stay sharded. run_translation_no_trainer.py on a tiny T5 failed in ``F.embedding`` with a flat weight.
 So the unwrapped model's ``generate`` is the wrapper's: every unit gathered once for the whole
@@ -31,4 +31,4 @@ def route_generate(wrapper: XlaFullyShardedDataParallel) -> None:
             return own(inner, *args, **kwargs)
         return wrapper.generate(*args, **kwargs)
 
-    inner.generate = generate
+    inner.generate = generate  # type: ignore[assignment]  # per instance, over the class's method

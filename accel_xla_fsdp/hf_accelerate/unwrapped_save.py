@@ -39,4 +39,4 @@ def route_save_pretrained(wrapper: XlaFullyShardedDataParallel) -> None:
         finally:
             host_memory.give_back()
 
-    inner.save_pretrained = save_pretrained
+    inner.save_pretrained = save_pretrained  # type: ignore[assignment]  # per instance, over the class's method

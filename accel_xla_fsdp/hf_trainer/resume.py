@@ -13,6 +13,7 @@ the newer ones that are not.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -61,7 +62,7 @@ def numbered_checkpoints(output_dir: Path) -> List[Path]:
     return numbered_folders(output_dir, _NUMBERED)[::-1]
 
 
-def is_newest(path: str | Path, output_dir: str | Path) -> bool:
+def is_newest(path: str | os.PathLike, output_dir: str | Path) -> bool:
     """Whether ``path`` is the highest ``checkpoint-N`` of ``output_dir``: what ``get_last_checkpoint``
     returns, and what transformers' example scripts find with it and pass on as a path."""
     output_dir = Path(output_dir)

@@ -33,7 +33,7 @@ import copy
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import accelerate
 import torch
@@ -89,7 +89,15 @@ def skip_first_batches_dispatch(original: Any) -> Any:
     return _skip_first_batches
 
 
-class XlaFsdpTrainerMixin:
+# A mixin of the Trainers: to the type checker it is a Trainer (whose attributes it uses), at run
+# time a plain class that goes first in the Trainers' bases.
+if TYPE_CHECKING:
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
+
+
+class XlaFsdpTrainerMixin(_TrainerBase):
     """What a ``transformers.Trainer`` subclass needs to run on accel_xla_fsdp's engine, put in
     front of it: ``class MyTrainer(XlaFsdpTrainerMixin, trl.DPOTrainer)``. Every argument passes
     through untouched, whatever the subclass's signature, but for its ``TrainingArguments``
@@ -149,6 +157,11 @@ class XlaFsdpTrainerMixin:
         wrapped = self.model_wrapped
         return wrapped if isinstance(wrapped, XlaFullyShardedDataParallel) else None
 
+    def _output_dir(self) -> str:
+        # TrainingArguments sets it in __post_init__ ("trainer_output" when not given).
+        assert self.args.output_dir is not None
+        return self.args.output_dir
+
     def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
@@ -166,14 +179,14 @@ class XlaFsdpTrainerMixin:
                     return super().save_model(output_dir, _internal_call)
             finally:
                 host_memory.give_back()
-        output_dir = output_dir or self.args.output_dir
+        output_dir = output_dir or self._output_dir()
         optimizer = None if self.args.save_only_model else self._raw_optimizer()
         save_sharded(model, optimizer, os.path.join(output_dir, SHARDED_DIR))
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            inner = model.module
-            if hasattr(inner, "config"):
-                inner.config.save_pretrained(output_dir)
+            config = getattr(model.module, "config", None)
+            if config is not None:
+                config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
         agree("save_model")
@@ -183,6 +196,7 @@ class XlaFsdpTrainerMixin:
         if self._sharded_model() is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
+            assert self.lr_scheduler is not None  # made before the first step, so before any save
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -192,10 +206,10 @@ class XlaFsdpTrainerMixin:
         which is what scripts that call ``get_last_checkpoint`` themselves pass (transformers'
         examples). Any other path is resumed from as given (``_load_from_checkpoint`` checks it)."""
         last = isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_newest(
-            resume_from_checkpoint, self.args.output_dir
+            resume_from_checkpoint, self._output_dir()
         )
         if resume_from_checkpoint is True or last:
-            folder, skipped = newest_complete(self.args.output_dir)
+            folder, skipped = newest_complete(self._output_dir())
             for incomplete, reason in skipped:
                 logger.warning(f"Not resuming from {incomplete}: {reason}. Resuming from {folder.name} instead.")
             resume_from_checkpoint = str(folder)
@@ -219,6 +233,7 @@ class XlaFsdpTrainerMixin:
         load_sharded(model, optimizer, os.path.join(checkpoint, SHARDED_DIR))
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
+            assert self.lr_scheduler is not None  # the Trainer makes it before loading into it
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
@@ -229,11 +244,25 @@ class XlaFsdpTrainerMixin:
         model = self._sharded_model()
         if model is None:
             return super()._load_best_model()
-        load_sharded(model, None, os.path.join(self.state.best_model_checkpoint, SHARDED_DIR))
+        best = self.state.best_model_checkpoint
+        assert best is not None  # the Trainer calls this only once it has one
+        load_sharded(model, None, os.path.join(best, SHARDED_DIR))
 
 
-class _GenerateSharded:
+# Goes after the mixin in a Seq2SeqTrainer's bases: to the type checker a Seq2SeqTrainer, at run
+# time a plain class.
+if TYPE_CHECKING:
+    _Seq2SeqBase = transformers.Seq2SeqTrainer
+else:
+    _Seq2SeqBase = object
+
+
+class _GenerateSharded(_Seq2SeqBase):
     """``Seq2SeqTrainer``'s ``predict_with_generate`` through the sharded model."""
+
+    if TYPE_CHECKING:  # the mixin's, ahead of this class in every trainer's bases
+
+        def _sharded_model(self) -> Optional[XlaFullyShardedDataParallel]: ...
 
     def prediction_step(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **gen_kwargs: Any
@@ -263,14 +292,17 @@ def _training_args_taken_over(
 ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[transformers.TrainingArguments]]:
     """``args``/``kwargs`` with their ``TrainingArguments`` (found by type, not position) replaced by
     a copy whose ``fsdp`` is off, and the original (None if there is none: the subclass makes its own)."""
-    found = [(i, a) for i, a in enumerate(args) if isinstance(a, transformers.TrainingArguments)]
+    found: List[Tuple[Union[int, str], transformers.TrainingArguments]] = [
+        (i, a) for i, a in enumerate(args) if isinstance(a, transformers.TrainingArguments)
+    ]
     found += [(k, v) for k, v in kwargs.items() if isinstance(v, transformers.TrainingArguments)]
     if not found:
         return args, kwargs, None
     where, given = found[0]
     check_precision(given)
     taken = copy.copy(given)  # the caller's arguments stay as given
-    taken.fsdp, taken.fsdp_plugin_args = False, None
+    # transformers types fsdp as the str its parser takes; it sets a bool itself (True once resolved).
+    taken.fsdp, taken.fsdp_plugin_args = False, None  # type: ignore[assignment]
     changed = fixed_shapes(taken)
     if changed is not None:
         logger.warning(f"XLA FSDP: {type(given).__name__} {changed}", main_process_only=True)
@@ -290,7 +322,7 @@ def with_mixin(cls: type) -> type:
         return cls
     with _with_mixin_lock:
         if cls not in _with_mixin:
-            mixins = (XlaFsdpTrainerMixin,)
+            mixins: Tuple[type, ...] = (XlaFsdpTrainerMixin,)
             if issubclass(cls, transformers.Seq2SeqTrainer):
                 mixins += (_GenerateSharded,)
             made = type(cls.__name__, (*mixins, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -145,7 +146,7 @@ def _sync_site() -> replica_run.Site:
     dumps say which replica is which: counted in, a shallow replica function's syncs would
     differ by rank alone."""
     site: List[Tuple[str, int, str]] = []
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None and len(site) < SYNC_SITE_FRAMES:
         path = frame.f_code.co_filename
         if path not in (__file__, replica_run.__file__) and not path.startswith(_xla.TORCH_XLA_DIR):

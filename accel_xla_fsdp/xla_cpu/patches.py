@@ -366,10 +366,6 @@ def original_of(target: str) -> Any:
     return next(entry.found for entry in _installed if entry.patch.target == target)
 
 
-def stages_installed() -> List[Stage]:
-    return [stage for stage in Stage if any(entry.patch.stage is stage for entry in _installed)]
-
-
 def table() -> str:
     """The table, one block per entry, for ``python -m accel_xla_fsdp.xla_cpu --patches``."""
     blocks = []

@@ -78,4 +78,4 @@ class _ThreadLevel(logging.Filter):
         self.levels = levels
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.levels.get(record.thread, 0)
+        return record.thread is None or record.levelno >= self.levels.get(record.thread, 0)
