@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/ensure_venv.sh
 status=0
-.venv/bin/python -m pytest tests -q -rA "$@" || status=$?
+# No path of ours here: pytest takes testpaths (tests/) when given none, and only the files given otherwise.
+.venv/bin/python -m pytest -q -rA "$@" || status=$?
 if [[ $status -eq 5 ]]; then
     echo "test.sh: pytest collected no tests: failing" >&2
 fi
