@@ -72,4 +72,6 @@ def test_replica_threads_take_turns_through_tqdm_lock(no_tqdm_lock: None, monkey
     assert concurrent.ensure_lock is patches.installed()[TARGET], "importing Accelerator installs it"
     monkeypatch.setattr(tqdm_lock, "replicas_are_threads", lambda: True)
     assert overlap_in_threads(concurrent.ensure_lock) == []
-    assert not lock_left_behind(), "tqdm is left as it was found"
+    # On replica threads the lock made is kept for good (tqdm_lock.py: another replica's progress bar
+    # outside thread_map may still be closing with it).
+    assert lock_left_behind(), "the class-wide lock is kept after the last replica leaves"

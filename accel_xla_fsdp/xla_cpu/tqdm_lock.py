@@ -4,8 +4,8 @@
 there was none before; two replica threads inside it at once delete it twice, and the second fails
 with ``AttributeError: type object 'tqdm' has no attribute '_lock'`` (seen with transformers'
 ``run_clm_no_trainer.py`` on 4 XLA:CPU replicas, whose replicas each call ``load_dataset``). On
-replica threads the replicas take turns through it; elsewhere it is tqdm's own. The turn is held
-for the whole ``thread_map``, which holds no collective.
+replica threads the replicas take turns through it, and the class-wide lock, once made, is kept;
+elsewhere it is tqdm's own. The turn is held for the whole ``thread_map``, which holds no collective.
 """
 
 from __future__ import annotations
