@@ -207,13 +207,18 @@ def _send(conn: Connection, obj: Any) -> None:
     conn.send_bytes(pickle.dumps(obj))
 
 
-_ENVIRONMENT = threading.Lock()
+# Held while a device process starts. multiprocessing has no ``env=``: a spawned child inherits
+# os.environ, so the pool's variables (CPU_NUM_DEVICES, XLA_FLAGS...) are set in it for the moment
+# of the start, which may be on a background thread. Code that copies os.environ while pools start
+# elsewhere takes this lock, or it copies those variables and may restore them for good (a test
+# fixture did: a StepDumper's XLA_FLAGS then made every later process dump every program).
+ENVIRONMENT_LOCK = threading.Lock()
 
 
 @contextmanager
 def _environment(extra: Dict[str, str]) -> Iterator[None]:
     """Set ``extra`` in this process's environment while a child process starts (it inherits it)."""
-    with _ENVIRONMENT:
+    with ENVIRONMENT_LOCK:
         saved = {k: os.environ.get(k) for k in extra}
         os.environ.update(extra)
         try:

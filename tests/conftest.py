@@ -19,7 +19,7 @@ sys.path.append(str(Path(__file__).parents[1] / "scripts"))  # hlo_dump.py, shar
 
 from quick_tier import select  # noqa: E402
 
-from accel_xla_fsdp import DevicePool  # noqa: E402
+from accel_xla_fsdp import DevicePool, runner  # noqa: E402
 
 DEVICE_COUNTS = (1, 2, 4)
 
@@ -64,11 +64,13 @@ def restored_environment() -> Iterator[None]:
     """Every test leaves the test process's environment as it found it. Code under test writes
     to it by design (the plugin exports ``FSDP_CPU_RAM_EFFICIENT_LOADING`` for ``from_pretrained``,
     as Accelerate's does), and a variable left behind changes what later tests load."""
-    saved = dict(os.environ)
+    with runner.ENVIRONMENT_LOCK:  # not a copy taken while a background thread starts a pool
+        saved = dict(os.environ)
     yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    with runner.ENVIRONMENT_LOCK:
+        if os.environ != saved:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 @pytest.fixture(params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
