@@ -75,6 +75,14 @@ def tracing_replica(rank: int, world_size: int, platform: str = "TPU") -> Iterat
         raise RuntimeError(f"already tracing as {_traced}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not one of world_size {world_size} replicas")
+    if (devices := xr.addressable_device_count()) != 1:
+        # Graphs of wrapping may hold a collective over world_size replicas; with one device the
+        # HLO verifier lets it through, with several it must match their count and refuses.
+        raise RuntimeError(
+            f"tracing_replica traces on one XLA:CPU device, and this process has {devices} "
+            f"(CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES')}): run it in a process of its own "
+            "without CPU_NUM_DEVICES"
+        )
     _traced, _foreign_collectives = TracedReplica(platform.upper(), rank, world_size), 0
     try:
         yield _traced

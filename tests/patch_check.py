@@ -24,6 +24,7 @@ _ABSENT = object()
 
 
 def _resolve(target: str) -> Tuple[Any, str]:
+    # patches.resolve's twin: originals are read before accel_xla_fsdp is imported (which installs)
     module, _, path = target.partition(":")
     owner: Any = importlib.import_module(module)
     *outer, attribute = path.split(".")

@@ -13,6 +13,7 @@ missing (``scripts/ensure_tpu_venv.sh``); if it cannot be, the tests fail saying
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ EXPECTED: Dict[str, Tuple[int, int]] = {
 
 
 def _run(cmd, what: str) -> str:
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}  # traced on one device
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         pytest.fail(f"{what} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return done.stdout
