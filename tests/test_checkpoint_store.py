@@ -528,3 +528,6 @@ def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3) 
         "explicit/state-000001/started.json",
     ]
     assert "model/model.safetensors" in files
+    # consolidate takes the folder given to save_state: its complete save's first model.
+    assert cli.main(["consolidate", f"{project}/explicit", f"{project}/explicit-hf", "--no-progress"]) == 0
+    assert bucket_files("acc/explicit-hf") == ["model.safetensors"]
