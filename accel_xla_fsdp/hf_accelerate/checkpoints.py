@@ -115,7 +115,8 @@ def save(accelerator: Any, folder: Location, pairs: List[ModelAndOptimizer], ful
     """Write a new save into ``folder`` ([Note: save_state folders]); on every replica. Any
     rank's failure ends the save on every rank, the previous save in ``folder`` as it was."""
     main = accelerator.is_main_process
-    number, error = 0, None
+    number = 0
+    error: Optional[BaseException] = None
     if main:
         try:
             number = _prepare(folder)
