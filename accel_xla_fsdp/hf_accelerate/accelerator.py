@@ -319,19 +319,19 @@ class Accelerator(accelerate.Accelerator):
         config = self.project_configuration
         full = self.xla_fsdp_plugin.state_dict_type == "full_state_dict"
         if config.automatic_checkpoint_naming:
-            root = checkpoints.expand(str(self.project_dir)) / "checkpoints"
-            folder = root / f"checkpoint_{self.save_iteration}"
+            given = os.path.join(str(self.project_dir), "checkpoints", f"checkpoint_{self.save_iteration}")
         elif output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
         else:
-            folder = checkpoints.expand(str(output_dir))
+            given = str(output_dir)
+        folder = checkpoints.expand(given)
         checkpoints.save(self, folder, self._model_optimizer_pairs(), full)
         if config.automatic_checkpoint_naming and self.is_main_process:
-            checkpoints.rotate(root, config.total_limit)
+            checkpoints.rotate(folder.parent, config.total_limit)
         self.wait_for_everyone()
         config.iteration += 1
-        logger.info(f"Saved the state to {folder}")
-        return str(folder)
+        logger.info(f"Saved the state to {given}")
+        return given  # as Accelerate's: the folder as the user's paths name it
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         """Load a ``save_state`` folder (the newest complete numbered one with automatic naming),
