@@ -375,6 +375,9 @@ def test_checkpoint_folders_commit_and_rotate(tmp_path: Path, where: str, caplog
         CheckpointError, match="checkpoint_11: no complete save_state checkpoint: state-000003 did not"
     ):
         checkpoints.complete_state(root / "checkpoint_11")
+    put("checkpoint_10/state-000004/started.json")  # a newer save into checkpoint_10, killed
+    assert checkpoints.complete_state(found[-1]).name == "state-000003"
+    assert "checkpoint_10: skipping incomplete save(s) state-000004 (no accel_xla_fsdp_state.json names" in caplog.text
     checkpoints.rotate(root, total_limit=2)
     fs, path = fsspec.core.url_to_fs(url)
     left = sorted(str(p)[len(path.rstrip("/")) + 1 :] for p in fs.find(path))
@@ -393,6 +396,7 @@ def test_checkpoint_folders_commit_and_rotate(tmp_path: Path, where: str, caplog
             "checkpoint_1/notes",
             "checkpoint_1/state-000009/notes",
             "checkpoint_10/accel_xla_fsdp_state.json",
+            "checkpoint_10/state-000004/started.json",
             "checkpoint_12.partial/x",
             "checkpoint_5/accel_xla_fsdp_state.json",
             *[f.replace("checkpoint_11", "checkpoint_5") for f in kept if f.startswith("checkpoint_11")],

@@ -18,7 +18,7 @@ step (``Location.put``: one upload in a bucket; on a local disk a temporary file
 it in the same folder), which replaces the previous record whole. The save is complete from
 then on; only then is the ``state-<n>/`` the previous record named removed. A save that fails
 or is killed before its record leaves the previous record and its state as they were (loads
-read them), and the next save into FOLDER removes the ``state-<n>/`` folders with our marker
+read them, naming the incomplete save in a warning), and the next save into FOLDER removes the ``state-<n>/`` folders with our marker
 that the record does not name: only what an incomplete save of ours wrote. Nothing else in
 FOLDER is touched (your logs, notes, a model of yours stay).
 
@@ -296,12 +296,22 @@ def complete_state(folder: Location) -> Location:
     """The folder of the save in ``folder`` to load: the one its record names (an earlier
     version's folder: ``folder`` itself); none complete is a ``CheckpointError`` saying why."""
     state = recorded_state(folder)
-    if state is not None:
-        return folder / state
     entries = folder.names()
+    unfinished = [
+        n for n in entries if _STATE.fullmatch(n) and n > (state or "") and SAVE_MARKER in (folder / n).names()
+    ]
+    if state is not None:
+        if unfinished:
+            logger.warning(
+                "%s: skipping incomplete save(s) %s (no %s names it: a save that did not finish); reading %s",
+                folder,
+                ", ".join(unfinished),
+                STATE_RECORD,
+                state,
+            )
+        return folder / state
     if EARLIER_MANIFEST in entries:
         return folder
-    unfinished = [n for n in entries if _STATE.fullmatch(n) and SAVE_MARKER in (folder / n).names()]
     if unfinished:
         raise CheckpointError(
             f"{folder}: no complete save_state checkpoint: {', '.join(unfinished)} did not finish (no "
