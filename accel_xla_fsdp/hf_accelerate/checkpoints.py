@@ -18,9 +18,9 @@ step (``Location.put``: one upload in a bucket; on a local disk a temporary file
 it in the same folder), which replaces the previous record whole. The save is complete from
 then on; only then is the ``state-<n>/`` the previous record named removed. A save that fails
 or is killed before its record leaves the previous record and its state as they were (loads
-read them, naming the incomplete save in a warning), and the next save into FOLDER removes the ``state-<n>/`` folders with our marker
-that the record does not name: only what an incomplete save of ours wrote. Nothing else in
-FOLDER is touched (your logs, notes, a model of yours stay).
+read them, naming the incomplete save in a warning), and the next save into FOLDER removes the
+``state-<n>/`` folders with our marker that the record does not name: only what an incomplete
+save of ours wrote. Nothing else in FOLDER is touched (your logs, notes, a model of yours stay).
 
 With automatic naming a ``checkpoint_<n>`` folder is complete when it holds the record:
 ``load_state()`` loads the newest complete one (naming the incomplete ones above it in a
