@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 CONSOLIDATE_HELP = """\
-Write the model of a sharded checkpoint (the directory given to save_sharded) in the Hugging Face
-layout: OUT_DIR/model.safetensors, or model-0000i-of-0000N.safetensors files and
+Write the model of a sharded checkpoint (the directory given to save_sharded, or the folder given
+to Accelerate's save_state: the first model of its complete save) in the Hugging Face layout:
+OUT_DIR/model.safetensors, or model-0000i-of-0000N.safetensors files and
 model.safetensors.index.json when the model is larger than --max-shard-size. Streams: tensors
 are read and written in pieces of at most 32 MiB, so memory use does not grow with the model.
 
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "checkpoint_dir",
         metavar="CKPT_DIR",
-        help="the checkpoint directory given to save_sharded (a path or a URL: s3://, gs://, ...)",
+        help="the checkpoint directory given to save_sharded, or a folder given to Accelerate's save_state "
+        "(its first model); a path or a URL: s3://, gs://, ...",
     )
     c.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created; or a URL)")
     _add_output_options(c)
@@ -126,7 +128,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint.consolidate import consolidate
 
     out = consolidate(
-        args.checkpoint_dir,
+        _sharded_model(args.checkpoint_dir),
         args.output_dir,
         max_shard_size=args.max_shard_size,
         config=args.config,
@@ -137,6 +139,16 @@ def _consolidate(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out}")
     return 0
+
+
+def _sharded_model(checkpoint_dir: str) -> Any:
+    """CKPT_DIR, or for a folder given to ``save_state`` the first model of its complete save
+    (its ``state-<n>/`` changes with every save: [Note: save_state folders])."""
+    from .checkpoint.store import Location
+    from .hf_accelerate.checkpoints import STATE_RECORD, complete_state, sharded_dir
+
+    folder = Location.of(checkpoint_dir)
+    return sharded_dir(complete_state(folder), 0) if STATE_RECORD in folder.names() else checkpoint_dir
 
 
 def _convert(args: argparse.Namespace) -> int:

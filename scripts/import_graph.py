@@ -55,14 +55,13 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("checkpoint",),
     # the Accelerate room
     ("hf_accelerate.plugin",),
-    ("hf_accelerate.launch", "hf_accelerate.optimizer"),
+    ("hf_accelerate.launch", "hf_accelerate.optimizer", "hf_accelerate.accelerate_files"),
     (
         "hf_accelerate.pretrained_loading",
         "hf_accelerate.checkpoints",
         "hf_accelerate.unwrapped_generate",
         "hf_accelerate.unwrapped_save",
     ),
-    ("hf_accelerate.bucket_state",),
     ("hf_accelerate.accelerator",),
     ("hf_accelerate",),
     # the Trainer room (may import the Accelerate room, not the reverse)

@@ -188,7 +188,7 @@ def xla_fsdp_run(pretrained: Path, work: Path, replicas: int) -> Tuple[Dict[str,
     figures = stage_figures(sampler, marks)
     consolidated = work / "consolidated"
     shutil.rmtree(consolidated, ignore_errors=True)
-    command = [str(BIN / "accel-xla-fsdp"), "consolidate", str(out / "state" / "xla_fsdp_0"), str(consolidated)]
+    command = [str(BIN / "accel-xla-fsdp"), "consolidate", str(out / "state"), str(consolidated)]
     consolidate_peak = run_sampled(command, env, work / "consolidate.log").peak()
     return figures, consolidate_peak
 

@@ -88,7 +88,7 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ),
     (
         "test_checkpoint_store.py::test_accelerate_save_state_load_state_and_save_model_in_a_bucket",
-        "hf_accelerate/bucket_state.py: save_state in an S3 bucket (moto's server)",
+        "hf_accelerate/checkpoints.py, accelerate_files.py: save_state in an S3 bucket (moto's server)",
     ),
     ("test_consolidate.py::test_bad_arguments", "cli.py, in process"),
     ("test_consolidate.py::test_console_script_fails_cleanly", "__main__.py: python -m accel_xla_fsdp"),
@@ -114,7 +114,10 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ),
     ("test_accelerator.py::test_plugin_reads_code_then_environment_then_config_file", "hf_accelerate/plugin.py"),
     ("test_accelerator.py::test_bad_config_is_refused", "plugin errors"),
-    ("test_accelerator.py::test_checkpoint_folders_commit_and_rotate", "hf_accelerate/checkpoints.py"),
+    (
+        "test_accelerator.py::test_checkpoint_folders_commit_and_rotate[local]",
+        "hf_accelerate/checkpoints.py: complete saves and rotation on a local disk",
+    ),
     (
         "test_pretrained_loading.py::test_shards_come_from_the_files_and_equal_the_plain_model[tied]",
         "hf_accelerate/pretrained_loading.py",

@@ -331,25 +331,77 @@ def test_sync_module_states_starts_every_replica_from_rank_0(pools) -> None:
             assert torch.equal(state[name], value), name
 
 
-def test_checkpoint_folders_commit_and_rotate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_checkpoint_folders_commit_and_rotate(tmp_path: Path, where: str, caplog) -> None:
+    """[Note: save_state folders] without devices: which checkpoint_<n> are complete, and what
+    rotation removes (only saves of ours, record first; what a rotation cut short left too)."""
+    import fsspec
+
+    from accel_xla_fsdp.checkpoint.store import Location
     from accel_xla_fsdp.hf_accelerate import checkpoints
 
-    root = tmp_path / "checkpoints"
-    for n in (0, 1, 2, 10):
-        (root / f"checkpoint_{n}").mkdir(parents=True)
-    (root / "checkpoint_11.partial").mkdir()  # what a save that died left: never a checkpoint
-    assert [p.name for p in checkpoints.numbered_checkpoints(root)] == [
-        "checkpoint_0",
-        "checkpoint_1",
-        "checkpoint_2",
-        "checkpoint_10",
-    ]
+    url = str(tmp_path / "checkpoints") if where == "local" else f"memory://{tmp_path.name}/checkpoints"
+    root = Location.of(url)
+
+    def put(name: str, data: str = "ours") -> None:
+        (root / name).put(data.encode())
+
+    def saved(n: int, record: bool = True) -> None:
+        put(f"checkpoint_{n}/state-000003/started.json")
+        put(f"checkpoint_{n}/state-000003/xla_fsdp_0/save-000000/checkpoint.json")
+        put(f"checkpoint_{n}/state-000003/random_states_0.pkl")
+        if record:
+            put(f"checkpoint_{n}/{checkpoints.STATE_RECORD}", '{"state": "state-000003"}')
+
+    put("checkpoint_0/xla_fsdp_0/save-000000/checkpoint.json")  # an earlier version's folder
+    put("checkpoint_0/random_states_0.pkl")
+    put(f"checkpoint_0/{checkpoints.EARLIER_MANIFEST}", '{"written": ["xla_fsdp_0", "random_states_0.pkl"]}')
+    put("checkpoint_0/logs/events", "the user's")
+    saved(1, record=False)  # what a rotation cut short left: its record removed
+    put("checkpoint_1/notes", "the user's")
+    put("checkpoint_1/state-000009/notes", "the user's: no marker, not ours")
+    for n in (2, 5, 10):
+        saved(n)
+    saved(11, record=False)  # a save killed before its record
+    put("checkpoint_12.partial/x")  # never a checkpoint
+    found = checkpoints.complete_checkpoints(root)
+    assert [f.name for f in found] == ["checkpoint_0", "checkpoint_2", "checkpoint_5", "checkpoint_10"]
+    assert "skipping incomplete checkpoint(s) checkpoint_11 (no accel_xla_fsdp_state.json" in caplog.text
+    assert (
+        checkpoints.complete_state(found[0]) == found[0]
+        and checkpoints.complete_state(found[1]).name == "state-000003"
+    )
+    with pytest.raises(
+        CheckpointError, match="checkpoint_11: no complete save_state checkpoint: state-000003 did not"
+    ):
+        checkpoints.complete_state(root / "checkpoint_11")
+    put("checkpoint_10/state-000004/started.json")  # a newer save into checkpoint_10, killed
+    assert checkpoints.complete_state(found[-1]).name == "state-000003"
+    assert "checkpoint_10: skipping incomplete save(s) state-000004 (no accel_xla_fsdp_state.json names" in caplog.text
     checkpoints.rotate(root, total_limit=2)
-    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_11.partial", "checkpoint_2"]
-    (root / "checkpoint_11.partial" / "new").write_text("new")
-    (root / "checkpoint_2" / "old").write_text("old")
-    (root / "checkpoint_2" / checkpoints.MANIFEST).write_text('{"written": ["old"]}')  # saved before
-    (root / "checkpoint_2" / "notes").write_text("the user's")
-    checkpoints.commit_folder(root / "checkpoint_11.partial", root / "checkpoint_2")  # replaces a folder saved before
-    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_10", "checkpoint_2"]
-    assert sorted(p.name for p in (root / "checkpoint_2").iterdir()) == [checkpoints.MANIFEST, "new", "notes"]
+    fs, path = fsspec.core.url_to_fs(url)
+    left = sorted(str(p)[len(path.rstrip("/")) + 1 :] for p in fs.find(path))
+    kept = [
+        f"checkpoint_{n}/{f}"
+        for n in (10, 11)
+        for f in (
+            "state-000003/random_states_0.pkl",
+            "state-000003/started.json",
+            "state-000003/xla_fsdp_0/save-000000/checkpoint.json",
+        )
+    ]
+    assert left == sorted(
+        [
+            "checkpoint_0/logs/events",
+            "checkpoint_1/notes",
+            "checkpoint_1/state-000009/notes",
+            "checkpoint_10/accel_xla_fsdp_state.json",
+            "checkpoint_10/state-000004/started.json",
+            "checkpoint_12.partial/x",
+            "checkpoint_5/accel_xla_fsdp_state.json",
+            *[f.replace("checkpoint_11", "checkpoint_5") for f in kept if f.startswith("checkpoint_11")],
+            *kept,
+        ]
+    )
+    if where == "local":
+        assert not (tmp_path / "checkpoints" / "checkpoint_2").exists()  # nothing else was in it

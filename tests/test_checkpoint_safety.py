@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
@@ -279,25 +279,19 @@ def test_accelerate_load_state_refuses_a_rank_file_of_another_run(pools, tmp_pat
     pools[2].run(accelerate_save, 2, str(tmp_path / "a"), 0)
     pools[2].run(accelerate_save, 2, str(tmp_path / "b"), 0)
     assert pools[2].run(accelerate_load, 2, str(tmp_path / "a")) == ["loaded", "loaded"]
-    wrong = rank_file(tmp_path / "a" / "xla_fsdp_0", 1)
-    shutil.copyfile(rank_file(tmp_path / "b" / "xla_fsdp_0", 1), wrong)
+    wrong = rank_file(tmp_path / "a" / "state-000000" / "xla_fsdp_0", 1)
+    shutil.copyfile(rank_file(tmp_path / "b" / "state-000000" / "xla_fsdp_0", 1), wrong)
     for message in pools[2].run(accelerate_load, 2, str(tmp_path / "a")):
         assert f"{wrong}: belongs to another run" in message and "files of different runs are mixed" in message
 
 
-def accelerate_round(rank: int, world: int, folder: str, seed: int, kill: str = "") -> Dict[str, torch.Tensor]:
-    """save_state of a model drawn from ``seed`` (dying with SIGKILL at ``kill``); its state."""
+def accelerate_round(rank: int, world: int, folder: str, seed: int) -> Dict[str, torch.Tensor]:
+    """save_state of a model drawn from ``seed``; its state."""
     from accel_xla_fsdp import Accelerator
-    from accel_xla_fsdp.hf_accelerate import checkpoints
 
     acc = Accelerator()
     torch.manual_seed(seed)
     model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))
-    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    if kill == "between the renames":  # the old folder moved aside, the new one not in place
-        checkpoints.os.replace = lambda a, b: (os.rename(a, b), Path(a).name == "state" and die())
-    elif kill == "before the user's entries are moved back":
-        checkpoints.carry_over = die
     acc.save_state(folder)
     return acc.get_state_dict(model)
 
@@ -324,31 +318,40 @@ def users_things(folder: Path) -> None:
         (folder.parent / name / "backup").write_text("the user's")
 
 
-def assert_users_things_kept(folder: Path, leftovers: Sequence[str] = ()) -> None:
-    """The user's things are where they were; beside ``folder``, of ours, only ``leftovers``."""
+def assert_users_things_kept(folder: Path) -> None:
+    """The user's things are where they were; nothing of ours beside ``folder``."""
     assert (folder / "logs" / "events").read_text() == (folder / "README.md").read_text() == "the user's"
     for name in ("state.old", "state.partial"):
         assert (folder.parent / name / "backup").read_text() == "the user's"
-    assert sorted(p.name for p in folder.parent.iterdir() if "accel-xla-fsdp" in p.name) == list(leftovers)
+    assert sorted(p.name for p in folder.parent.iterdir() if "accel-xla-fsdp" in p.name) == []
 
 
 def test_save_state_replaces_only_what_it_wrote(pools, tmp_path) -> None:
-    """save_state replaces its folder whole (a rename): the user's files in it are moved into the
-    new one, and folders beside it named like an older version's staging are not touched."""
+    """save_state writes a folder of its own in the one given and removes the previous one after
+    its record: the user's files in it, and folders beside it named like an older version's
+    staging, are not touched."""
     folder = tmp_path / "state"
     users_things(folder)
     pools[2].run(accelerate_round, 2, str(folder), 1)
     second = pools[2].run(accelerate_round, 2, str(folder), 2)[0]
     assert_is_state(pools[2].run(accelerate_loaded, 2, str(folder))[0], second)
     assert_users_things_kept(folder)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md",
+        "accel_xla_fsdp_state.json",
+        "logs",
+        "state-000001",
+    ]
 
 
 def test_save_state_through_a_symlink_to_another_filesystem_and_into_a_mount_point(pools, tmp_path, shm_dir) -> None:
+    """No folder is renamed ([Note: save_state folders]): a link to another filesystem is written
+    through, and a mount point is saved into like any folder."""
     link = tmp_path / "state"
     link.symlink_to(shm_dir / "state", target_is_directory=True)
     pools[2].run(accelerate_round, 2, str(link), 1)
     second = pools[2].run(accelerate_round, 2, str(link), 2)[0]
-    assert link.is_symlink() and record_file(shm_dir / "state" / "xla_fsdp_0").is_file()
+    assert link.is_symlink() and record_file(shm_dir / "state" / "state-000001" / "xla_fsdp_0").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"] and sorted(os.listdir(shm_dir)) == ["state"]
     assert_is_state(pools[2].run(accelerate_loaded, 2, str(link))[0], second)
     mount = tmp_path / "volume"
@@ -356,31 +359,11 @@ def test_save_state_through_a_symlink_to_another_filesystem_and_into_a_mount_poi
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)]).returncode:
         pytest.skip("mounting a tmpfs needs root")
     try:
-        with pytest.raises(CheckpointError, match=f"save_state: {mount} is a mount point") as e:
-            pools[2].run(accelerate_round, 2, str(mount), 1)
-        assert "nothing was written" in str(e.value) and f"{mount / 'state'}" in str(e.value)
-        assert os.listdir(mount) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["state", "volume"]
+        first = pools[2].run(accelerate_round, 2, str(mount), 1)[0]
+        assert_is_state(pools[2].run(accelerate_loaded, 2, str(mount))[0], first)
+        assert sorted(os.listdir(mount)) == ["accel_xla_fsdp_state.json", "state-000000"]
     finally:
         subprocess.run(["umount", str(mount)], check=True)
-
-
-@pytest.mark.parametrize("point", ["between the renames", "before the user's entries are moved back"])
-def test_a_killed_save_state_leaves_a_loadable_state_and_the_users_files(pools, tmp_path, point: str) -> None:
-    folder = tmp_path / "state"
-    users_things(folder)
-    first = pools[2].run(accelerate_round, 2, str(folder), 1)[0]
-    with pytest.raises(ReplicaError, match="SIGKILL"):
-        pools[2].run(accelerate_round, 2, str(folder), 2, point)
-    loaded = pools[2].run(accelerate_loaded, 2, str(folder))[0]  # finishes the commit, or puts the old one back
-    if point == "between the renames":
-        assert_is_state(loaded, first)
-    else:
-        assert isinstance(loaded, dict) and not all(torch.equal(loaded[k], first[k]) for k in first)
-    # The killed save's staging folder (complete or not) is removed by the next save.
-    assert_users_things_kept(folder, [".state.accel-xla-fsdp-saving"] if point == "between the renames" else [])
-    third = pools[2].run(accelerate_round, 2, str(folder), 3)[0]
-    assert_is_state(pools[2].run(accelerate_loaded, 2, str(folder))[0], third)
-    assert_users_things_kept(folder)
 
 
 # ---------------------------------------------------------------------------------------------

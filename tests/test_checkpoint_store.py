@@ -204,6 +204,81 @@ def test_a_save_killed_in_a_bucket_leaves_the_previous_one_and_the_next_cleans_u
 
 
 # ---------------------------------------------------------------------------------------------
+# save_state killed, on a local disk and in a bucket: one protocol ([Note: save_state folders])
+
+
+def files_under(where: str) -> List[str]:
+    fs, path = fsspec.core.url_to_fs(where)
+    fs.invalidate_cache()
+    return sorted(str(p)[len(path.rstrip("/")) + 1 :] for p in fs.find(path))
+
+
+def state_round(rank: int, world: int, endpoint: str, folder: str, seed: int, kill: str = "") -> Any:
+    """save_state of a model drawn from ``seed`` into ``folder`` (dying with SIGKILL at ``kill``),
+    or with ``seed`` None load_state of it: the model's state (or the refusal)."""
+    from accel_xla_fsdp import Accelerator
+    from accel_xla_fsdp.hf_accelerate import accelerate_files, checkpoints
+
+    use_s3(endpoint)
+    acc = Accelerator()
+    torch.manual_seed(seed or 0)
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    if seed is None:
+        acc.load_state(folder)
+        return acc.get_state_dict(model)
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if kill == "writing Accelerate's files":  # every rank file of xla_fsdp_0/ written and committed
+        accelerate_files._put = die
+    elif kill == "before the record":
+        checkpoints._commit = die
+    elif kill == "after the record":  # the previous save not removed yet
+        checkpoints._remove_state = die
+    acc.save_state(folder)
+    return acc.get_state_dict(model)
+
+
+def ours(state: str) -> List[str]:
+    return [
+        f"{state}/random_states_0.pkl",
+        f"{state}/random_states_1.pkl",
+        f"{state}/started.json",
+        *(f"{state}/xla_fsdp_0/save-000000/{f}" for f in ("checkpoint.json", "rank-00000-of-00002.safetensors")),
+        *(f"{state}/xla_fsdp_0/save-000000/{f}" for f in ("rank-00001-of-00002.safetensors", "started.json")),
+    ]
+
+
+# Each kill restarts the pool's process (about 25 s a case): the points are shared out between a
+# local disk and the bucket, which run one code path.
+KILLS = [
+    ("local", "writing Accelerate's files"),
+    ("local", "after the record"),
+    ("bucket", "before the record"),
+    ("bucket", "after the record"),
+]
+
+
+@pytest.mark.parametrize("where, point", KILLS, ids=lambda v: v.replace(" ", "_").replace("'", ""))
+def test_a_killed_save_state_leaves_the_previous_one_and_the_next_cleans_up(pools, s3, tmp_path, where, point) -> None:
+    folder = str(tmp_path / "state") if where == "local" else f"s3://{BUCKET}/state/{point.replace(' ', '-')}"
+    fs, path = fsspec.core.url_to_fs(folder)
+    fs.makedirs(path, exist_ok=True)  # a bucket has no folders: nothing to make there
+    fs.pipe_file(f"{path}/notes.txt", b"the user's")
+    first = pools[2].run(state_round, 2, s3, folder, 1)[0]
+    with pytest.raises(ReplicaError, match="SIGKILL"):
+        pools[2].run(state_round, 2, s3, folder, 2, point)
+    committed = point == "after the record"
+    loaded = pools[2].run(state_round, 2, s3, folder, None)[0]
+    if committed:
+        assert not torch.equal(loaded["0.weight"], first["0.weight"])  # the second save's model
+    else:
+        assert_equal(loaded, first)
+    third = pools[2].run(state_round, 2, s3, folder, 3)[0]
+    assert_equal(pools[2].run(state_round, 2, s3, folder, None)[0], third)
+    assert files_under(folder) == ["accel_xla_fsdp_state.json", "notes.txt", *ours("state-000002")]
+    assert json.loads(fs.cat_file(f"{path}/accel_xla_fsdp_state.json")) == {"state": "state-000002"}
+
+
+# ---------------------------------------------------------------------------------------------
 # Store failures: transient ones retried, permanent ones end the save at once
 
 
@@ -450,5 +525,9 @@ def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3) 
         "explicit/accel_xla_fsdp_state.json",
         "explicit/state-000001/random_states_0.pkl",
         "explicit/state-000001/random_states_1.pkl",
+        "explicit/state-000001/started.json",
     ]
     assert "model/model.safetensors" in files
+    # consolidate takes the folder given to save_state: its complete save's first model.
+    assert cli.main(["consolidate", f"{project}/explicit", f"{project}/explicit-hf", "--no-progress"]) == 0
+    assert bucket_files("acc/explicit-hf") == ["model.safetensors"]

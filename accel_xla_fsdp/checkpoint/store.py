@@ -47,6 +47,13 @@ PERMANENT_TYPES = (PermissionError, FileNotFoundError, NotADirectoryError, IsADi
 PathLike = Union[str, "os.PathLike[str]", "Location"]
 
 
+def is_url(where: PathLike) -> bool:
+    """A URL (``s3://...``, any fsspec protocol), never taken as a local path."""
+    if isinstance(where, Location):
+        return not where.local
+    return "://" in os.fspath(where)
+
+
 class Location:
     """A file or folder in a filesystem (local or fsspec's), printed as the user knows it."""
 
@@ -58,7 +65,7 @@ class Location:
         if isinstance(where, Location):
             return where
         text = os.fspath(where)
-        if "://" not in text:
+        if not is_url(text):
             path = os.path.abspath(text)
             return cls(LocalFileSystem(), path, path)
         protocol = text.split("://", 1)[0]
@@ -201,7 +208,8 @@ class Location:
 
     def makedirs(self) -> None:
         if self.local:
-            self.retried("create", lambda: os.makedirs(self.path, exist_ok=True))
+            # Through symbolic links: a link to a folder yet to be made makes that folder.
+            self.retried("create", lambda: os.makedirs(os.path.realpath(self.path), exist_ok=True))
         # A bucket has no folders: a key's prefix exists once a file is written under it.
 
     def remove_dir_if_empty(self) -> None:

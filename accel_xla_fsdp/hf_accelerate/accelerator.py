@@ -15,7 +15,7 @@ What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
 - ``gather``, ``reduce``, ``pad_across_processes`` and the shuffling seed work on XLA:CPU replica
   threads (xla_cpu/host_collectives.py); ``wait_for_everyone`` and ``main_process_first`` do through
   xla_cpu/rendezvous.py. On a TPU, Accelerate's own forms run.
-- ``save_state`` / ``load_state`` write and read sharded checkpoints (checkpoints.py);
+- ``save_state`` / ``load_state`` write and read sharded checkpoints, locally or at a URL (checkpoints.py);
   ``get_state_dict``, ``unwrap_model`` and ``save_model`` give the whole model.
 """
 
@@ -34,14 +34,14 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, synchronize_rng_states
 
 from .. import _xla, host_memory
-from ..checkpoint.store import Location
+from ..checkpoint.store import Location, is_url
 from ..checkpointing import checkpoint_module
 from ..construction import FlatShardKey
 from ..fsdp import XlaFullyShardedDataParallel
 from ..state_dict import model_state_dict, shards_by_name
 from ..xla_cpu import host_collectives
 from ..xla_cpu.rendezvous import agree, broadcast_from_rank0_, replicas_are_threads
-from . import bucket_state, checkpoints, launch, pretrained_loading
+from . import checkpoints, launch, pretrained_loading
 from .optimizer import XlaFsdpOptimizer, holds_any, move_onto_shards, param_group_key, parameter_names
 from .plugin import XlaFsdpPlugin
 from .unwrapped_generate import route_generate
@@ -246,7 +246,7 @@ class Accelerator(accelerate.Accelerator):
         model, which ``from_pretrained`` then loads). Call on every replica; the main one writes."""
         if not isinstance(model, XlaFullyShardedDataParallel):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        if bucket_state.is_url(save_directory):
+        if is_url(save_directory):
             self._save_model_to_store(model, Location.of(save_directory), max_shard_size, safe_serialization)
             return
         if os.path.isfile(save_directory):  # as Accelerate's: said, and nothing saved (on every replica alike)
@@ -280,7 +280,15 @@ class Accelerator(accelerate.Accelerator):
         self, model: XlaFullyShardedDataParallel, target: Location, max_shard_size: Any, safe_serialization: bool
     ) -> None:
         """``save_model`` to a URL: written as into a local folder, in a temporary one, then every
-        file uploaded (the index or ``model.safetensors`` last, so that what loads is whole)."""
+        file uploaded (the index or ``model.safetensors`` last, so that what loads is whole).
+
+        The one file set staged on local disk: transformers' ``save_pretrained`` (and
+        huggingface_hub's ``save_torch_state_dict`` for other models) decides what is written (tied
+        weights under one name, keys it ignores, transformers 5's conversions back to the
+        checkpoint's layout, the config and generation config) and writes only to a local folder.
+        Writing its output straight to the store would mean doing its work again, and a model at
+        a URL could then differ from one saved locally; ``consolidate`` of a ``save_state``
+        checkpoint into a URL writes the Hugging Face layout straight there."""
         agree("save_model")
         state = model_state_dict(model.unit_state, kept_here=self.is_main_process)  # kept where written
         if self.is_main_process:
@@ -304,88 +312,46 @@ class Accelerator(accelerate.Accelerator):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> str:
-        """Sharded checkpoint of every prepared model and optimizer, plus Accelerate's own state."""
+        """Sharded checkpoint of every prepared model and optimizer, plus Accelerate's own state,
+        into a local folder or a URL alike ([Note: save_state folders])."""
         if not self._sharded_models():
             return super().save_state(output_dir, safe_serialization, **kwargs)
         config = self.project_configuration
         full = self.xla_fsdp_plugin.state_dict_type == "full_state_dict"
-        where = output_dir if not config.automatic_checkpoint_naming else self.project_dir
-        if where is not None and bucket_state.is_url(where):  # never a local path ([Note: save_state in a bucket])
-            return self._save_state_to_store(output_dir, full)
         if config.automatic_checkpoint_naming:
-            root = Path(self.project_dir) / "checkpoints"
-            folder = root / f"checkpoint_{self.save_iteration}"
+            given = os.path.join(str(self.project_dir), "checkpoints", f"checkpoint_{self.save_iteration}")
         elif output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
         else:
-            folder = Path(output_dir).expanduser()
+            given = str(output_dir)
+        folder = checkpoints.expand(given)
         checkpoints.save(self, folder, self._model_optimizer_pairs(), full)
         if config.automatic_checkpoint_naming and self.is_main_process:
-            checkpoints.rotate(root, config.total_limit)
+            checkpoints.rotate(folder.parent, config.total_limit)
         self.wait_for_everyone()
         config.iteration += 1
-        logger.info(f"Saved the state to {folder}")
-        return str(folder)
-
-    def _save_state_to_store(self, output_dir: Optional[str], full: bool) -> str:
-        config = self.project_configuration
-        if config.automatic_checkpoint_naming:
-            root = Location.of(self.project_dir) / "checkpoints"
-            folder = root / f"checkpoint_{self.save_iteration}"
-        else:
-            folder = Location.of(str(output_dir))
-        bucket_state.save(self, folder, self._model_optimizer_pairs(), full)
-        if config.automatic_checkpoint_naming and self.is_main_process:
-            bucket_state.rotate(root, config.total_limit)
-        self.wait_for_everyone()
-        config.iteration += 1
-        logger.info(f"Saved the state to {folder}")
-        return str(folder)
-
-    def _load_state_from_store(self, input_dir: Optional[str], load_kwargs: Optional[dict]) -> None:
-        config = self.project_configuration
-        if input_dir is not None:
-            folder = Location.of(input_dir)
-        else:
-            root = Location.of(self.project_dir) / "checkpoints"
-            found = bucket_state.complete_checkpoints(root)
-            if not found:
-                raise ValueError(f"load_state: no complete checkpoint_<n> folder under {root}")
-            folder = found[-1]
-        restored = bucket_state.load(self, folder, self._model_optimizer_pairs(), load_kwargs)
-        if "step" in restored:
-            self.step = restored["step"]
-        number = checkpoints.checkpoint_number(Path(folder.name))
-        if config.automatic_checkpoint_naming and number is not None:
-            config.iteration = number + 1
-        logger.info(f"Loaded the state from {folder}")
+        logger.info(f"Saved the state to {given}")
+        return given  # as Accelerate's: the folder as the user's paths name it
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
-        """Load a ``save_state`` folder (the newest numbered one with automatic naming), on any
-        number of replicas; later automatic saves are numbered after it."""
+        """Load a ``save_state`` folder (the newest complete numbered one with automatic naming),
+        on any number of replicas; later automatic saves are numbered after it."""
         if not self._sharded_models():
             return super().load_state(input_dir, load_kwargs, **kwargs)
         config = self.project_configuration
-        where = input_dir if input_dir is not None or not config.automatic_checkpoint_naming else self.project_dir
-        if where is not None and bucket_state.is_url(where):
-            return self._load_state_from_store(input_dir, load_kwargs)
         if input_dir is not None:
-            folder = Path(input_dir).expanduser()
-            if self.is_main_process:
-                checkpoints.recover(checkpoints.real_folder(folder))  # a save into it killed midway
-            self.wait_for_everyone()
-            if not folder.is_dir():
+            folder = checkpoints.expand(str(input_dir))
+            if not folder.isdir():
                 raise ValueError(f"load_state: {folder} is not a folder")
         elif config.automatic_checkpoint_naming:
-            found = checkpoints.numbered_checkpoints(Path(self.project_dir) / "checkpoints")
+            root = checkpoints.expand(str(self.project_dir)) / "checkpoints"
+            found = checkpoints.complete_checkpoints(root)
             if not found:
-                raise ValueError(f"load_state: no checkpoint_<n> folder under {self.project_dir}/checkpoints")
+                raise ValueError(f"load_state: no complete checkpoint_<n> folder under {root}")
             folder = found[-1]
         else:
             raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
-        restored = checkpoints.load(self, folder, self._model_optimizer_pairs(), load_kwargs)
-        if "step" in restored:
-            self.step = restored["step"]
+        self.step = checkpoints.load(self, folder, self._model_optimizer_pairs(), load_kwargs)
         number = checkpoints.checkpoint_number(folder)
         if config.automatic_checkpoint_naming and number is not None:
             config.iteration = number + 1
