@@ -102,7 +102,7 @@ def checkpointed(wrapper: Any, checkpoint_module: Any) -> Any:
     return lambda m, *a, **kw: wrapper(checkpoint_module(m), *a, **kw)
 
 
-def trace_ours(args: argparse.Namespace, path: Path, flat: bool) -> Optional[float]:
+def trace_ours(args: argparse.Namespace, path: Path, flat: bool) -> float:
     import torch
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -277,7 +277,7 @@ def plot(rows: List[dict], path: Path, title: str) -> None:
     parts = (("argument", "arguments (shards, optimizer state, batch)", "tab:blue"), ("temp", "temp", "tab:orange"))
     for ax, (topology, precision) in zip(axes[0], groups):
         mine = [r for r in rows if (r["topology"], r["precision"]) == (topology, precision)]
-        labels = [VARIANTS[r["variant"]].label.replace(", ", "\n") for r in mine]
+        labels = [VARIANTS[r["variant"]].label.replace(", ", "\n").replace("torch_xla ", "torch_xla\n") for r in mine]
         bottom = [0.0] * len(mine)
         for key, label, color in parts:
             values = [r[key] / 1e6 for r in mine]
@@ -353,7 +353,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:
-        plot(rows, Path(args.plot), f"One training step per chip as libtpu plans it. {model}")
+        plot(rows, Path(args.plot), f"One training step per chip as libtpu plans it\n{model}")
 
 
 if __name__ == "__main__":
