@@ -264,7 +264,7 @@ def temp_at_peak(dump_dir: str) -> Tuple[int, int, List[LiveValue]]:
         value = _VALUE.match(line) if in_temp else None
         if value:
             name = value["name"] if "{" in value["name"] else value["name"] + "{}"
-            sizes[name] = (int(value["size"]), value["shape"].split("{")[0])
+            sizes[name] = (int(value["size"]), value["shape"].lstrip("(").split("{")[0])
     live: List[LiveValue] = []
     for line in one("*after_optimizations-live-range.txt").split("BufferLiveRange:", 1)[-1].splitlines():
         m = _LIVE.match(line)
