@@ -65,11 +65,12 @@ class FsdpOptions:
         "One flat shard per unit (one gather, one reduce-scatter) instead of one per parameter; "
         "trainable and frozen parameters are flattened separately, and under Accelerate so are the "
         "param groups of the optimizers prepared with the model. torch_xla's default is per "
-        "parameter; Accelerate's is flat (as its own FSDP's): a faster step and less host time "
-        "(docs/performance.md). Per parameter to freeze single parameters after prepare() or to shard "
-        "on dim 0.",
+        "parameter. Accelerate's (None): flat on XLA:CPU, a faster step and less host time there "
+        "(docs/performance.md); per parameter on a TPU, where the compiler holds flat units' full "
+        "buffers longer and relays them out (docs/tpu.md: 1.5x the temp of per-parameter shards). "
+        "Per parameter to freeze single parameters after prepare() or to shard on dim 0.",
         accelerate="xla_fsdp_flatten_parameters",
-        accelerate_default=True,
+        accelerate_default=None,
     )
     execute_sharding_on_init: bool = _option(
         True,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
@@ -164,9 +165,16 @@ def count_collectives(optimized_hlo: str, chips: int) -> Dict[str, CollectiveKin
     return kinds
 
 
-def compile_program(hlo_text: str, topology: str) -> Tuple[Report, str]:
-    """Compile ``hlo_text`` (a program of one replica: ``num_replicas`` = the topology's chips)
-    and report its memory plan and collectives; also the optimized HLO."""
+def compile_program(
+    hlo_text: str, topology: str, spmd: bool = False, dump_to: Optional[str] = None
+) -> Tuple[Report, str]:
+    """Compile ``hlo_text`` and report its memory plan and collectives; also the optimized HLO.
+
+    ``hlo_text`` is a program of one replica (``num_replicas`` = the topology's chips), or with
+    ``spmd`` the whole program of an SPMD trace (torch_xla's ``xr.use_spmd()``), which the
+    compiler partitions (``num_partitions`` = the chips; GSPMD, as torch_xla's HLO carries GSPMD
+    sharding annotations, not Shardy's). ``dump_to``: a directory for the compiler's dumps (the
+    optimized HLO and its buffer assignment, which names what the temp holds)."""
     import numpy as np
     from jax._src import compiler
     from jax._src.interpreters import mlir
@@ -183,12 +191,18 @@ def compile_program(hlo_text: str, topology: str) -> Tuple[Report, str]:
     proto = _hlo.hlo_module_from_text(hlo_text).as_serialized_hlo_module_proto()
     with mlir.make_ir_context():
         module = ir.Module.parse(_jax.mlir.hlo_to_stablehlo(proto))
+        replicas, partitions = (1, chips) if spmd else (chips, 1)
         options = compiler.get_compile_options(
-            num_replicas=chips,
-            num_partitions=1,
-            device_assignment=np.array(devices, dtype=object).reshape(chips, 1),
+            num_replicas=replicas,
+            num_partitions=partitions,
+            device_assignment=np.array(devices, dtype=object).reshape(replicas, partitions),
         )
-        options.executable_build_options.use_spmd_partitioning = False
+        build = options.executable_build_options
+        build.use_spmd_partitioning = spmd
+        build.use_shardy_partitioner = False
+        if dump_to:
+            build.debug_options.xla_dump_to = dump_to
+            build.debug_options.xla_dump_hlo_as_text = True
         executable = devices[0].client.compile(
             module, executable_devices=xla_client.DeviceList(tuple(devices)), compile_options=options
         )
@@ -213,6 +227,64 @@ def compile_program(hlo_text: str, topology: str) -> Tuple[Report, str]:
     return report, optimized
 
 
+_ALLOCATION = re.compile(r"^allocation \d+: size (?P<size>\d+), (?P<kind>.*)$")
+_VALUE = re.compile(r"^ value: <\d+ (?P<name>[^\s>]+) @\d+> \(size=(?P<size>\d+),offset=\d+\): (?P<shape>\S+)")
+_LIVE = re.compile(r"^\s+(?P<name>[^\s:]+):(?P<start>\d+)-(?P<end>\d+)$")
+
+
+@dataclass(frozen=True)
+class LiveValue:
+    name: str  # the optimized HLO's instruction (and tuple index)
+    shape: str
+    size: int
+    start: int  # its live range, in the schedule's steps
+    end: int
+
+
+def temp_at_peak(dump_dir: str) -> Tuple[int, int, List[LiveValue]]:
+    """What the temp holds at its peak, from a compile's dumps (``--dump-to``): the step of the
+    schedule where the live values of the main temp allocation (HBM: color 0) add up most, that
+    sum, and those values, largest first. Sizes as the buffer assignment gives them (tiled); the
+    temp the compiler reports can exceed the sum (fragmentation of its heap)."""
+    import glob
+
+    def one(pattern: str) -> str:
+        found = sorted(glob.glob(os.path.join(dump_dir, pattern)))
+        if not found:
+            raise FileNotFoundError(f"no {pattern} in {dump_dir}: compile with --dump-to")
+        return open(found[-1]).read()
+
+    sizes: Dict[str, Tuple[int, str]] = {}
+    in_temp = False
+    for line in one("*after_optimizations-buffer-assignment.txt").splitlines():
+        allocation = _ALLOCATION.match(line)
+        if allocation:
+            in_temp = allocation["kind"] == "preallocated-temp:"  # color 0; others say "color N, "
+            continue
+        value = _VALUE.match(line) if in_temp else None
+        if value:
+            name = value["name"] if "{" in value["name"] else value["name"] + "{}"
+            sizes[name] = (int(value["size"]), value["shape"].lstrip("(").split("{")[0])
+    live: List[LiveValue] = []
+    for line in one("*after_optimizations-live-range.txt").split("BufferLiveRange:", 1)[-1].splitlines():
+        m = _LIVE.match(line)
+        if m and m["name"] in sizes:
+            size, shape = sizes[m["name"]]
+            live.append(LiveValue(m["name"], shape, size, int(m["start"]), int(m["end"])))
+    steps = max((v.end for v in live), default=0) + 2
+    delta = [0] * steps
+    for v in live:
+        delta[v.start] += v.size
+        delta[v.end + 1] -= v.size
+    total, peak, at = 0, 0, 0
+    for step, d in enumerate(delta):
+        total += d
+        if total > peak:
+            peak, at = total, step
+    held = sorted((v for v in live if v.start <= at <= v.end), key=lambda v: -v.size)
+    return at, peak, held
+
+
 def format_report(report: Report) -> str:
     mb = 1 << 20
     lines = [
@@ -227,6 +299,14 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def format_temp(step: int, peak: int, held: List[LiveValue], top: int) -> str:
+    mb = 1e6
+    lines = [f"  temp at its peak (step {step}): {peak / mb:,.1f} MB live in {len(held)} values; the largest:"]
+    for v in held[:top]:
+        lines.append(f"    {v.size / mb:8,.1f} MB  {v.shape:<24} {v.name} (live {v.start}-{v.end})")
+    return "\n".join(lines)
+
+
 # libtpu takes /tmp/libtpu_lockfile for the whole process: one compiling process at a time on a
 # machine. Compiling processes therefore queue on a lock of their own first.
 LOCK = "/tmp/accel_xla_fsdp_tpu_compiler.lock"
@@ -238,6 +318,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--topology", action="append", required=True, help=f"{', '.join(TOPOLOGIES)} or a raw name")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--hlo-out", help="write the optimized HLO of each compile to PREFIX.<n>.txt")
+    parser.add_argument("--spmd", action="store_true", help="the programs are SPMD traces (xr.use_spmd())")
+    parser.add_argument("--dump-to", help="the compiler's dumps (buffer assignment) go into DIR/<n>/")
+    parser.add_argument(
+        "--temp", type=int, metavar="N", help="print the N largest values live at the temp's peak (needs --dump-to)"
+    )
     args = parser.parse_args(argv)
     lock = open(LOCK, "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -245,15 +330,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     for path in args.programs:
         text = open(path).read()
         for topology in args.topology:
-            report, optimized = compile_program(text, topology)
+            dump = f"{args.dump_to}/{n}" if args.dump_to else None
+            report, optimized = compile_program(text, topology, spmd=args.spmd, dump_to=dump)
             if args.hlo_out:
                 with open(f"{args.hlo_out}.{n}.txt", "w") as f:
                     f.write(optimized)
             n += 1
+            held = temp_at_peak(dump) if args.temp and dump else None
             if args.json:
-                print(json.dumps({"program": path, **report.to_json()}), flush=True)
+                extra = {"temp_at_peak": format_temp(*held, top=args.temp)} if held else {}
+                print(json.dumps({"program": path, **report.to_json(), **extra}), flush=True)
             else:
                 print(f"{path}: {format_report(report)}", flush=True)
+                if held:
+                    print(format_temp(*held, top=args.temp), flush=True)
     return 0
 
 

@@ -12,6 +12,10 @@ tensors and the program a real TPU sync compiles, and the export puts them right
   (argument and output). Which HLO parameter holds which tensor: torch_xla numbers a graph's
   parameters in the post order of its device-data nodes, the order
   ``_get_tensors_xla_device_data_node`` lists them in (checked against the parameters' shapes).
+* **Output shardings** (SPMD traces only). A sync compiles an SPMD program with each output's
+  sharding; the printed HLO carries the parameters' but not the outputs', so the partitioner would
+  make every output whole (and a donated sharded input could not alias it). The export annotates
+  the root with each output's sharding (``_get_xla_sharding_spec``; none is replicated).
 * **f64.** Python scalars (learning rates, bias corrections) are traced as f64 on an XLA:CPU
   device and as f32 on a TPU (torch_xla's ``MaybeDowncastToXlaDeviceType``: TPUs have no f64).
 """
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 _ENTRY = re.compile(r"^ENTRY [^\n]*\((?P<params>[^)]*)\) -> ", re.M)
 _PARAM_SHAPE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 _MODULE_LINE = re.compile(r"^HloModule (?P<name>[^\s,]+)", re.M)
+_ENTRY_ROOT = re.compile(r"^(?P<root>  ROOT [^\n]* tuple\([^\n]*\))$", re.M)
 
 
 def xla_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -97,6 +102,7 @@ def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations],
     _check_parameter_order(text, param_data)
     aliases = _aliases(outputs, param_ids, donations) if donations is not None else {}
     text = _with_aliases(text, aliases).replace("f64[", "f32[")
+    text = _with_output_shardings(text, outputs)
     path = Path(path)
     path.write_text(text)
     _xla.traced_graph_exported()
@@ -133,6 +139,19 @@ def _with_aliases(text: str, aliases: Dict[int, int]) -> str:
         return text
     entries = ", ".join(f"{{{out}}}: ({param}, {{}}, may-alias)" for out, param in sorted(aliases.items()))
     return _MODULE_LINE.sub(lambda m: f"HloModule {m['name']}, input_output_alias={{ {entries} }}", text, count=1)
+
+
+def _with_output_shardings(text: str, outputs: List[torch.Tensor]) -> str:
+    """Annotate the entry's root tuple with the outputs' SPMD shardings (unchanged when none is
+    sharded: a replica's program)."""
+    specs = [torch_xla._XLAC._get_xla_sharding_spec(t) for t in outputs]
+    if not any(specs):
+        return text
+    entry = _ENTRY.search(text)
+    root = _ENTRY_ROOT.search(text, entry.end()) if entry else None
+    assert root is not None, "the entry computation returns a tuple"
+    sharding = ", ".join(spec or "{replicated}" for spec in specs)
+    return text[: root.end()] + f", sharding={{{sharding}}}" + text[root.end() :]
 
 
 def communication_floor(root: XlaFullyShardedDataParallel, training: bool = True, micro_batches: int = 1) -> float:

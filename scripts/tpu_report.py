@@ -20,51 +20,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from accel_xla_fsdp import _xla, checkpoint_module, seeded, tpu_program, transformer_block_policy
+import tpu_benchmark  # scripts/ is this script's path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def export(args: argparse.Namespace, path: Path) -> float:
-    """Export the step; returns its communication floor (bytes per chip)."""
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    with _xla.tracing_replica(0, args.chips, "TPU"):
-        with seeded(0):
-            model = LlamaForCausalLM(config)
-        wrapper = (lambda m, *a, **kw: FSDP(checkpoint_module(m), *a, **kw)) if args.checkpoint else None
-        dtype = torch.bfloat16 if args.bf16 else None
-        model = FSDP(
-            model,
-            auto_wrap_policy=transformer_block_policy(),
-            auto_wrapper_callable=wrapper,
-            flatten_parameters=args.flat,
-            compute_dtype=dtype,
-        )
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tpu_program.create_optimizer_state(optimizer)
-        donations = tpu_program.Donations.of_step(model, optimizer)
-        ids = torch.zeros(1, args.seq, dtype=torch.long, device=_xla.device())
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tpu_program.export_step([loss, *model.parameters(), *tpu_program.xla_tensors(optimizer)], donations, path)
-        return tpu_program.communication_floor(model)
+    """Export the step (as tpu_benchmark.py traces ours); returns its communication floor (bytes per chip)."""
+    args.precision = "bf16" if args.bf16 else "fp32"
+    args.options, args.embedding_units = "{}", False
+    return tpu_benchmark.trace_ours(args, path, flat=args.flat)
 
 
 def main() -> None:

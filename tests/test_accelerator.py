@@ -17,7 +17,7 @@ from accelerate.utils import broadcast
 from torch.utils.data import DataLoader
 
 import accel_xla_fsdp
-from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, seeded
+from accel_xla_fsdp import Accelerator, XlaFsdpPlugin, _xla, seeded
 from accel_xla_fsdp.checkpoint import CheckpointError
 from accel_xla_fsdp.hf_accelerate.plugin import CONFIG_FILE_ENV
 
@@ -232,6 +232,18 @@ def test_plugin_reads_code_then_environment_then_config_file(tmp_path: Path, mon
     )
     assert plugin.reduce_scatter_bucket_size_mb == 0.5 and plugin.reshard_after_forward is True
     assert XlaFsdpPlugin(min_num_params=10).min_num_params == 10
+
+
+def test_plugin_layout_default_is_the_platforms(monkeypatch) -> None:
+    """Unset, flat shards on XLA:CPU (a faster step there) and per-parameter ones on a TPU (less
+    temp as the TPU compiler plans a step: docs/tpu.md) or with dim-0 shards; a value given stays."""
+    monkeypatch.delenv(CONFIG_FILE_ENV, raising=False)
+    monkeypatch.delenv("XLA_FSDP_FLATTEN_PARAMETERS", raising=False)
+    assert XlaFsdpPlugin().flatten_parameters is True
+    assert XlaFsdpPlugin(shard_param_on_dim_0=True).flatten_parameters is False
+    with _xla.tracing_replica(0, 4, "TPU"):
+        assert XlaFsdpPlugin().flatten_parameters is False
+        assert XlaFsdpPlugin(flatten_parameters=True).flatten_parameters is True
 
 
 @pytest.mark.parametrize(

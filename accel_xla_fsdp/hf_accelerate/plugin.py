@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 import torch.nn as nn
 
+from .. import _xla
 from ..checkpointing import checkpoint_module
 from ..construction import FlatShardKey, ParamInitFn, ShardSource
 from ..fsdp import XlaFullyShardedDataParallel
@@ -268,8 +269,11 @@ class XlaFsdpPlugin:
         if "cpu_ram_efficient_loading" not in defaulted:
             # As Accelerate's FSDP plugin does: from_pretrained reads the environment variable.
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(self.cpu_ram_efficient_loading).lower()
-        if self.shard_param_on_dim_0 and "flatten_parameters" in defaulted:
-            self.flatten_parameters = False  # dim-0 shards are per parameter: asking for them says so
+        if self.flatten_parameters is None:
+            # dim-0 shards are per parameter: asking for them says so. On a TPU per-parameter
+            # shards cost the compiler less memory than flat ones (docs/tpu.md), on XLA:CPU flat
+            # ones are faster (docs/performance.md).
+            self.flatten_parameters = not self.shard_param_on_dim_0 and _xla.platform() != "TPU"
         self._check_consistent()
 
     def _check_consistent(self) -> None:
