@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 import signal
+from contextlib import nullcontext
 from typing import Any, Dict, Iterator, List
+from unittest import mock
 
 import fsspec
 import pytest
@@ -22,7 +24,16 @@ from safetensors.torch import load_file
 from stores import FaultyFileSystem, HostFileSystem, free_port, permanent, transient, use_s3
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from accel_xla_fsdp import CheckpointError, ReplicaError, ShardedCheckpoint, _xla, cli, load_sharded, save_sharded
+from accel_xla_fsdp import (
+    CheckpointError,
+    ReplicaError,
+    ShardedCheckpoint,
+    _xla,
+    cli,
+    load_sharded,
+    save_sharded,
+    seeded,
+)
 from accel_xla_fsdp.checkpoint import sharded, store
 from accel_xla_fsdp.checkpoint.format import find_saves
 from accel_xla_fsdp.xla_cpu.rendezvous import agree
@@ -457,9 +468,10 @@ def test_loads_skip_an_incomplete_save_and_name_it(in_bucket, tmp_path, caplog) 
 # Accelerate: save_state / load_state / save_model with URLs
 
 
-def accelerate_in_bucket(rank: int, world: int, endpoint: str, project: str) -> Dict[str, Any]:
+def accelerate_in_bucket(rank: int, world: int, endpoint: str, project: str, local: str) -> Dict[str, Any]:
     """Three automatic saves with total_limit=2, a save_state and a save_model at URLs, then a
-    fresh Accelerator's load_state() of the newest."""
+    fresh Accelerator's load_state() of the newest; a tied Llama's save_model to a URL (no
+    temporary folder made meanwhile) and to the local folder ``local``."""
     from accelerate.utils import ProjectConfiguration
 
     from accel_xla_fsdp import Accelerator
@@ -495,6 +507,16 @@ def accelerate_in_bucket(rank: int, world: int, endpoint: str, project: str) -> 
     explicit.save_state(f"{project}/explicit")
     explicit.save_state(f"{project}/explicit")
     explicit.load_state(f"{project}/explicit")
+    with seeded(0):
+        llama = LlamaForCausalLM(LlamaConfig(**dict(LLAMA_CONFIG, tie_word_embeddings=True)))
+    llama = explicit.prepare(llama)
+    with (
+        mock.patch("tempfile.mkdtemp", side_effect=AssertionError("a temporary folder"))
+        if rank == 0
+        else nullcontext()
+    ):
+        explicit.save_model(llama, f"{project}/llama", max_shard_size="40KB")
+    explicit.save_model(llama, local, max_shard_size="40KB")
     return {
         "states": states,
         "loaded": loaded,
@@ -504,9 +526,9 @@ def accelerate_in_bucket(rank: int, world: int, endpoint: str, project: str) -> 
     }
 
 
-def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3) -> None:
+def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3, tmp_path) -> None:
     project = f"s3://{BUCKET}/acc"
-    results = pools[2].run(accelerate_in_bucket, 2, s3, project)
+    results = pools[2].run(accelerate_in_bucket, 2, s3, project, str(tmp_path / "llama"))
     first = results[0]
     assert not any(r["local"] for r in results)  # nothing written to a local ./s3:/ folder
     assert_equal(first["loaded"], first["states"][2])
@@ -531,3 +553,42 @@ def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3) 
     # consolidate takes the folder given to save_state: its complete save's first model.
     assert cli.main(["consolidate", f"{project}/explicit", f"{project}/explicit-hf", "--no-progress"]) == 0
     assert bucket_files("acc/explicit-hf") == ["model.safetensors"]
+    # save_model of a transformers model to a URL: what the local save_model writes, file for file
+    # (sharded: 40KB) and tensor for tensor, the tied lm_head left out; it loads.
+    local = tmp_path / "llama"
+    assert bucket_files("acc/llama") == sorted(p.name for p in local.iterdir())
+    assert "model.safetensors.index.json" in bucket_files("acc/llama")
+    fsspec.filesystem("s3").get(f"{BUCKET}/acc/llama/", str(tmp_path / "from-bucket"), recursive=True)
+    for name in bucket_files("acc/llama"):
+        if name.endswith(".safetensors"):
+            assert_equal(load_file(tmp_path / "from-bucket" / name), load_file(local / name))
+        else:  # the same JSON; the index's total_parameters that of the model (the local one counts shards)
+            ours, stock = (json.loads((where / name).read_text()) for where in (tmp_path / "from-bucket", local))
+            ours.get("metadata", {}).pop("total_parameters", None)
+            stock.get("metadata", {}).pop("total_parameters", None)
+            assert ours == stock, name
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "from-bucket")
+    index = json.loads((tmp_path / "from-bucket" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == loaded.num_parameters()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_equal(loaded.state_dict(), LlamaForCausalLM.from_pretrained(local).state_dict())
+
+
+def test_save_model_to_a_url_refuses_what_it_cannot_write_as_save_pretrained_would() -> None:
+    """Custom code (its files are not copied) and models whose own save_pretrained is not
+    transformers' (PEFT's): refused by name, before anything is gathered."""
+    from accel_xla_fsdp.checkpoint.consolidate import check_storable
+
+    url = store.Location.of("memory://models/x")
+    custom = LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG))
+    custom._auto_class = "AutoModelForCausalLM"  # as register_for_auto_class / trust_remote_code leave it
+    with pytest.raises(CheckpointError, match=r"memory://models/x: LlamaForCausalLM is custom code \(auto_map\)"):
+        check_storable(custom, url)
+
+    class Adapter(torch.nn.Linear):
+        def save_pretrained(self, folder: str) -> None: ...
+
+    with pytest.raises(CheckpointError, match=r"writes transformers models and plain modules, not Adapter"):
+        check_storable(Adapter(2, 2), url)
+    check_storable(torch.nn.Linear(2, 2), url)
+    check_storable(LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG)), url)

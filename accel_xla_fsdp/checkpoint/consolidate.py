@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 import threading
 import uuid
 from contextlib import contextmanager
@@ -166,32 +165,19 @@ def write_hf_layout(
     model = ModelInfo.from_config(config) if config is not None else None
     names = output_names(ckpt, model)
     weights = model_tensors(ckpt, names, model, cast)
-    split = split_state_dict_into_shards_factory(
-        {t.name: t for t in weights},
-        get_storage_size=lambda t: t.nbytes,
-        filename_pattern=WEIGHTS_PATTERN,
-        max_shard_size=limit,
-    )
-    by_name = {t.name: t for t in weights}
-    files = {name: [by_name[n] for n in tensors] for name, tensors in split.filename_to_tensors.items()}
+    files, extra = weight_files(weights, limit)
     optim_tensors, optim_json = optimizer_tensors(ckpt, names) if optimizer else ([], None)
     if optimizer:
         files[OPTIMIZER_NAME] = optim_tensors
-    extra: Dict[str, str] = {}  # file name -> text
-    if split.is_sharded:
-        index = {
-            "metadata": {"total_parameters": sum(t.numel for t in weights if not t.buffer), **split.metadata},
-            "weight_map": split.tensor_to_filename,
-        }
-        extra[WEIGHTS_INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True) + "\n"
     if optim_json is not None:
         extra[OPTIMIZER_JSON_NAME] = json.dumps(optim_json, indent=2) + "\n"
-    written = set(files) | set(extra)
     if model is not None:
-        written |= {CONFIG_NAME} | ({GENERATION_CONFIG_NAME} if model.generation_config else set())
-    floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
+        extra.update(model.config_files(weights))
+    written = set(files) | set(extra)
     if not target.local:
-        write_to_store(ckpt, target, files, extra, model, floats[0] if floats else None, overwrite, progress)
+        check_store_output(target, overwrite)
+        verifier = Verifier(ckpt, _to_verify(ckpt, model is not None, optimizer))
+        upload_hf_layout(target, files, extra, verifier, ReadBudget(ckpt), progress, "consolidating")
         return target
     check_output_dir(out, written, overwrite)
     total = sum(t.nbytes for ts in files.values() for t in ts)
@@ -208,13 +194,32 @@ def write_hf_layout(
                 write_safetensors(stage / name, tensors, budget, bar, check=verifier.check)
             for name, text in extra.items():
                 (stage / name).write_text(text)
-            if model is not None:
-                model.write_config(stage, floats[0] if floats else None)
             verifier.finish()
         finally:
             verifier.cancel()
         commit(stage, out)
     return out
+
+
+def weight_files(weights: List[OutTensor], limit: int) -> Tuple[Dict[str, List[OutTensor]], Dict[str, str]]:
+    """The weight files (``model.safetensors``, or shards named and split by ``huggingface_hub``'s
+    helper) with their tensors, and the index (file name -> text) when sharded."""
+    split = split_state_dict_into_shards_factory(
+        {t.name: t for t in weights},
+        get_storage_size=lambda t: t.nbytes,
+        filename_pattern=WEIGHTS_PATTERN,
+        max_shard_size=limit,
+    )
+    by_name = {t.name: t for t in weights}
+    files = {name: [by_name[n] for n in tensors] for name, tensors in split.filename_to_tensors.items()}
+    extra: Dict[str, str] = {}
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": sum(t.numel for t in weights if not t.buffer), **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        extra[WEIGHTS_INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    return files, extra
 
 
 def parse_max_shard_size(size: Union[int, str]) -> int:
@@ -266,7 +271,7 @@ class ModelInfo:
     buffers: Dict[str, Tuple[int, ...]]
     tied: Dict[str, str]  # target -> source: transformers saves the source and re-ties the target
     order: Dict[str, int]
-    generation_config: Optional[Path] = None
+    generation_config: Optional[str] = None  # the text of generation_config.json
 
     @classmethod
     def from_config(cls, config: Any) -> ModelInfo:
@@ -284,7 +289,7 @@ class ModelInfo:
             except Exception as e:  # OSError, ValueError, JSON errors: transformers' message says which
                 raise CheckpointError(f"{path}: not a model config transformers can read ({e})") from None
             if path.is_dir() and (path / GENERATION_CONFIG_NAME).is_file():
-                generation = path / GENERATION_CONFIG_NAME
+                generation = (path / GENERATION_CONFIG_NAME).read_text()
         config = copy.deepcopy(config)
         try:
             model = _meta_model(config)
@@ -306,14 +311,17 @@ class ModelInfo:
             config.architectures = [type(model).__name__]
         return cls(config, type(model).__name__, params, buffers, tied, order, generation)
 
-    def write_config(self, directory: Path, dtype: Optional[torch.dtype]) -> None:
+    def config_files(self, weights: Sequence[OutTensor]) -> Dict[str, str]:
         """``config.json`` (its ``dtype`` that of the weights written, as ``save_pretrained`` records
-        it), and the config folder's ``generation_config.json`` if it has one."""
-        if dtype is not None:
-            self.config.dtype = dtype
-        self.config.save_pretrained(str(directory))
+        it; the text ``save_pretrained`` writes) and ``generation_config.json`` if there is one:
+        file name -> text, written as the other files are, into a folder or a bucket."""
+        floats = [t.dtype for t in weights if not t.buffer and t.dtype.is_floating_point]
+        if floats:
+            self.config.dtype = floats[0]
+        files = {CONFIG_NAME: self.config.to_json_string(use_diff=True)}
         if self.generation_config is not None:
-            shutil.copyfile(self.generation_config, directory / GENERATION_CONFIG_NAME)
+            files[GENERATION_CONFIG_NAME] = self.generation_config
+        return files
 
 
 def _meta_model(config: Any) -> torch.nn.Module:
@@ -497,12 +505,12 @@ def _whole_reader(ckpt: ShardedCheckpoint, key: str) -> Reader:
 class ReadBudget:
     """Closes the checkpoint's files (unmapping what was read) after every ``CHUNK_BYTES`` read."""
 
-    def __init__(self, ckpt: ShardedCheckpoint, limit: int = CHUNK_BYTES) -> None:
-        self.ckpt, self.limit, self.read = ckpt, limit, 0
+    def __init__(self, ckpt: Optional[ShardedCheckpoint], limit: int = CHUNK_BYTES) -> None:
+        self.ckpt, self.limit, self.read = ckpt, limit, 0  # no ckpt: tensors in memory, nothing to close
 
     def add(self, nbytes: int) -> None:
         self.read += nbytes
-        if self.read >= self.limit:
+        if self.read >= self.limit and self.ckpt is not None:
             self.ckpt.close()
             self.read = 0
 
@@ -603,18 +611,11 @@ def _write_all(f: Any, view: memoryview) -> None:
 # nothing. A consolidation that fails or is killed leaves no index or ``model.safetensors``:
 # nothing that loads. A bucket location that already holds a model is refused, --overwrite or
 # not (its files would be replaced one by one): consolidate into a new location.
+# ``Accelerator.save_model`` to a URL writes the same way from the full state dict it gathered
+# (``write_state_dict_to_store``): nothing goes through local disk.
 
 
-def write_to_store(
-    ckpt: Any,
-    out: Location,
-    files: Dict[str, List[OutTensor]],
-    extra: Dict[str, str],
-    model: Optional[ModelInfo],
-    dtype: Optional[torch.dtype],
-    overwrite: bool,
-    progress: bool,
-) -> None:
+def check_store_output(out: Location, overwrite: bool) -> None:
     present = [n for n in out.names() if _MODEL_FILE.fullmatch(n)]
     if present:
         raise CheckpointError(
@@ -622,11 +623,22 @@ def write_to_store(
             f"{'even with --overwrite ' if overwrite else ''}(it has no rename to do it all at once): consolidate "
             "into a new location"
         )
+
+
+def upload_hf_layout(
+    out: Location,
+    files: Dict[str, List[OutTensor]],
+    extra: Dict[str, str],
+    verifier: Verifier,
+    budget: ReadBudget,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Write safetensors ``files`` and text files ``extra`` into ``out``, the index or
+    ``model.safetensors`` last, after ``verifier`` has found nothing."""
     last = WEIGHTS_INDEX_NAME if WEIGHTS_INDEX_NAME in extra else WEIGHTS_NAME
     total = sum(t.nbytes for ts in files.values() for t in ts)
-    verifier = Verifier(ckpt, _to_verify(ckpt, model is not None, OPTIMIZER_NAME in files))
-    budget = ReadBudget(ckpt)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", disable=not progress)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress)
     with bar:
         verifier.start()
         try:
@@ -641,11 +653,6 @@ def write_to_store(
                         verifier.finish()  # before the upload completes: a bad checksum leaves no model
 
                 target.write_stream(write)
-            if model is not None:
-                with tempfile.TemporaryDirectory() as local:
-                    model.write_config(Path(local), dtype)
-                    for path in sorted(Path(local).iterdir()):
-                        (out / path.name).put(path.read_bytes())
             for name in sorted(extra, key=lambda n: n == last):
                 if name == last:
                     verifier.finish()
@@ -653,6 +660,76 @@ def write_to_store(
             verifier.finish()
         finally:
             verifier.cancel()
+
+
+def write_state_dict_to_store(
+    state: Dict[str, torch.Tensor], module: torch.nn.Module, out: Location, max_shard_size: Union[int, str]
+) -> None:
+    """``Accelerator.save_model`` to a URL: the Hugging Face layout of ``module``'s full state dict
+    written straight into ``out``, as ``consolidate`` writes it (tied weights under the names
+    ``save_pretrained`` keeps, the config's persistent buffers, ``config.json`` and
+    ``generation_config.json``). A model already there is replaced: its index or
+    ``model.safetensors`` is removed first (what remains does not load), its other weight files
+    once the new model is whole."""
+    import transformers
+
+    check_storable(module, out)
+    where = type(module).__name__
+    model = None
+    if isinstance(module, transformers.PreTrainedModel):
+        config = copy.deepcopy(module.config)
+        config.architectures = [where]  # as save_pretrained records it
+        model = ModelInfo.from_config(config)
+        if module.can_generate() and module.generation_config is not None:
+            model.generation_config = module.generation_config.to_json_string(use_diff=True)
+    kept: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, tensor in state.items():
+        if model is not None and name in model.tied:
+            continue  # re-tied by from_pretrained, as save_pretrained leaves it out
+        if model is None and tensor.untyped_storage().data_ptr() in seen:
+            continue  # shared: under its first name, as consolidate writes it without a config
+        seen.add(tensor.untyped_storage().data_ptr())
+        kept[name] = tensor
+    buffers = set(model.buffers) if model is not None else set()
+    weights = [  # in the state dict's order, which save_pretrained's shards follow
+        OutTensor(n, tuple(t.shape), t.dtype, _tensor_reader(t), buffer=n in buffers) for n, t in kept.items()
+    ]
+    files, extra = weight_files(weights, parse_max_shard_size(max_shard_size))
+    if model is not None:
+        extra.update(model.config_files(weights))
+    old = [n for n in out.names() if _MODEL_FILE.fullmatch(n)]
+    for name in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):
+        if name in old:
+            (out / name).remove()
+    upload_hf_layout(out, files, extra, Verifier(None, []), ReadBudget(None), False, "saving")
+    for name in old:
+        if name not in files and name not in extra:
+            (out / name).remove()
+
+
+def check_storable(module: torch.nn.Module, out: Location) -> None:
+    """Refuse, before anything is gathered, a model ``write_state_dict_to_store`` cannot write as
+    its ``save_pretrained`` would."""
+    import transformers
+
+    where = type(module).__name__
+    if getattr(module, "_hf_peft_config_loaded", False) or (
+        hasattr(module, "save_pretrained") and not isinstance(module, transformers.PreTrainedModel)
+    ):
+        raise CheckpointError(
+            f"{out}: save_model to a URL writes transformers models and plain modules, not {where} (its own "
+            "save_pretrained decides what is saved): save_model to a local folder and copy it to the bucket"
+        )
+    if getattr(module, "_auto_class", None) is not None:  # transformers' is_remote_code()
+        raise CheckpointError(
+            f"{out}: {where} is custom code (auto_map), whose code files save_model to a URL does not copy: "
+            "save_model to a local folder and copy it to the bucket"
+        )
+
+
+def _tensor_reader(tensor: torch.Tensor) -> Reader:
+    return lambda a, b: [tensor.reshape(-1)[a:b]]
 
 
 # ---------------------------------------------------------------------------------------------

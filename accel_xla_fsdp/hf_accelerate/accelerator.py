@@ -22,8 +22,6 @@ What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import accelerate
@@ -34,6 +32,9 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, synchronize_rng_states
 
 from .. import _xla, host_memory
+from ..checkpoint.consolidate import check_storable, write_state_dict_to_store
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.sharded import sum_over_replicas
 from ..checkpoint.store import Location, is_url
 from ..checkpointing import checkpoint_module
 from ..construction import FlatShardKey
@@ -279,35 +280,29 @@ class Accelerator(accelerate.Accelerator):
     def _save_model_to_store(
         self, model: XlaFullyShardedDataParallel, target: Location, max_shard_size: Any, safe_serialization: bool
     ) -> None:
-        """``save_model`` to a URL: written as into a local folder, in a temporary one, then every
-        file uploaded (the index or ``model.safetensors`` last, so that what loads is whole).
-
-        The one file set staged on local disk: transformers' ``save_pretrained`` (and
-        huggingface_hub's ``save_torch_state_dict`` for other models) decides what is written (tied
-        weights under one name, keys it ignores, transformers 5's conversions back to the
-        checkpoint's layout, the config and generation config) and writes only to a local folder.
-        Writing its output straight to the store would mean doing its work again, and a model at
-        a URL could then differ from one saved locally; ``consolidate`` of a ``save_state``
-        checkpoint into a URL writes the Hugging Face layout straight there."""
+        """``save_model`` to a URL: the main replica writes the Hugging Face layout straight into
+        the store from the streamed state dict, with consolidation's writer (nothing on local disk)."""
+        if not safe_serialization:  # said before the gathers, on every replica alike
+            raise CheckpointError(
+                f"{target}: save_model to a URL writes safetensors only; leave safe_serialization=True, or "
+                "save_model to a local folder"
+            )
+        check_storable(model.module, target)
         agree("save_model")
         state = model_state_dict(model.unit_state, kept_here=self.is_main_process)  # kept where written
+        error: Optional[BaseException] = None
         if self.is_main_process:
-            with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-model-") as local:
-                save_pretrained = getattr(model.module, "save_pretrained", None)
-                if save_pretrained is not None:
-                    save_pretrained(
-                        local, state_dict=state, max_shard_size=max_shard_size, safe_serialization=safe_serialization
-                    )
-                else:
-                    from huggingface_hub import save_torch_state_dict
-
-                    save_torch_state_dict(
-                        state, local, max_shard_size=max_shard_size, safe_serialization=safe_serialization
-                    )
-                entry = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json")
-                for path in sorted(Path(local).iterdir(), key=lambda p: p.name in entry):
-                    (target / path.name).put(path.read_bytes())
-        self.wait_for_everyone()
+            try:
+                write_state_dict_to_store(state, model.module, target, max_shard_size)
+            except Exception as e:  # noqa: BLE001 - every replica must hear of it
+                error = e
+        del state
+        host_memory.give_back()
+        failed = sum_over_replicas([int(error is not None)])[0]
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"{target}: the main process could not save the model (its error says why)")
 
     # -- checkpoints ---------------------------------------------------------------------------
 
