@@ -296,17 +296,22 @@ def plot(rows: List[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The traced Llama's shape (issue 25's by default) and its gradient checkpointing."""
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--checkpoint", action="store_true", help="checkpoint each decoder layer")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", action="append", help="v5e-8 (default), v4-8, ... (tpu_compiler.TOPOLOGIES)")
     p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all four")
     p.add_argument("--precision", action="append", choices=PRECISIONS, help="default: fp32 and bf16")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--checkpoint", action="store_true", help="checkpoint each decoder layer")
+    add_model_arguments(p)
     p.add_argument("--options", default="{}", help="more of our FSDP options, as JSON (ours only)")
     p.add_argument("--embedding-units", action="store_true", help="ours: the embedding and lm_head units of their own")
     p.add_argument("--lock", help="run each trace and compile under `flock LOCK`")
