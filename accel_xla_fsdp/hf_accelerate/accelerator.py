@@ -299,10 +299,9 @@ class Accelerator(accelerate.Accelerator):
         del state
         host_memory.give_back()
         failed = sum_over_replicas([int(error is not None)])[0]
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(f"{target}: the main process could not save the model (its error says why)")
+        checkpoints.raise_if_failed(
+            error, failed, f"{target}: the main process could not save the model (its error says why)"
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------
 

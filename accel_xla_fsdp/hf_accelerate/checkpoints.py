@@ -123,7 +123,7 @@ def save(accelerator: Any, folder: Location, pairs: List[ModelAndOptimizer], ful
         except (CheckpointError, OSError) as e:
             error = e
     agreed = sum_over_replicas([number, int(error is not None)])
-    _raise_if(error, agreed[1], f"{folder}: the main process could not prepare the save (its error says why)")
+    raise_if_failed(error, agreed[1], f"{folder}: the main process could not prepare the save (its error says why)")
     state = folder / f"state-{agreed[0]:06d}"
     _xla.sync()  # finish the step before reading its state
     for index, (model, optimizer) in enumerate(pairs):
@@ -137,18 +137,20 @@ def save(accelerator: Any, folder: Location, pairs: List[ModelAndOptimizer], ful
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
     failed = sum_over_replicas([int(error is not None)])[0]
-    _raise_if(error, failed, f"{folder}: {failed} rank(s) could not write their files (their errors say why)")
+    raise_if_failed(error, failed, f"{folder}: {failed} rank(s) could not write their files (their errors say why)")
     if main:
         try:
             _commit(folder, state.name)
         except (CheckpointError, OSError) as e:
             error = e
     failed = sum_over_replicas([int(error is not None)])[0]
-    _raise_if(error, failed, f"{folder}: the main process could not commit the save (its error says why)")
+    raise_if_failed(error, failed, f"{folder}: the main process could not commit the save (its error says why)")
     host_memory.give_back()  # the shards' host copies, written
 
 
-def _raise_if(error: Optional[BaseException], failed: int, message: str) -> None:
+def raise_if_failed(error: Optional[BaseException], failed: int, message: str) -> None:
+    """After every replica has counted the failures (``failed``): this replica's own error, or
+    ``message`` on a replica that did not fail itself."""
     if error is not None:
         raise error
     if failed:
