@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -61,6 +62,8 @@ from .format import (
 )
 from .store import Location, PathLike
 from .torch_xla_files import TorchXlaCheckpoint
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
@@ -163,6 +166,11 @@ def write_hf_layout(
     limit = parse_max_shard_size(max_shard_size)
     cast = parse_dtype(dtype)
     model = ModelInfo.from_config(config) if config is not None else None
+    if model is None:  # a save_state checkpoint records no config: said, as the output is then weights only
+        logger.warning(
+            f"{output_dir}: no model config given, so no config.json is written and from_pretrained cannot "
+            "load the folder alone: pass config (--config MODEL_DIR or config.json) for the Hugging Face layout"
+        )
     names = output_names(ckpt, model)
     weights = model_tensors(ckpt, names, model, cast)
     files, extra = weight_files(weights, limit)
