@@ -6,7 +6,7 @@ takes ``-logps[mask.bool()].mean()``, with a gradient). On XLA a boolean index i
 read on the host and a gather of the ``k`` elements the mask selects: the program that sums
 them has ``k`` in its shape, so every new completion-token count compiled a new program, on
 every replica (DPO full fine-tuning, 4 replicas: 4 to 5 new programs per optimizer step, 52 to 84
-over 6 steps, measured; docs/launch.md). No TRL setting removes these metrics.
+over 6 steps; now 0 after step 3, 52 in all: docs/launch.md). No TRL setting removes these metrics.
 
 While TRL's ``_compute_loss`` runs (the patch ``reducing_masked_selections``, xla_cpu/patches.py),
 a torch function mode (thread-local: one replica thread's mode is not another's) watches two
@@ -20,9 +20,10 @@ the selection gets the true selection. Nothing else is changed; off XLA the mode
 
 Why this and not another way (measured): TRL has no hook, output or setting for these metrics;
 torch_xla's bounded dynamic shapes (``XLA_EXPERIMENTAL=nonzero:masked_select``) are process-wide,
-experimental and would change every boolean selection of the run; and rewriting TRL's method
-would copy it. The selection itself is still made, so ``nonzero`` still reads the mask on the host
-(a graph cut, of a program compiled once): what is gone is the program per token count.
+experimental, change every boolean selection of the run and doubled the graph cuts of one
+(docs/launch.md); and rewriting TRL's method would copy it. The selection itself is still made,
+so ``nonzero`` still reads the mask on the host (a graph cut, of a program compiled once): what
+is gone is the program per token count.
 """
 
 from __future__ import annotations
