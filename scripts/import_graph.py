@@ -65,7 +65,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("hf_accelerate.accelerator",),
     ("hf_accelerate",),
     # the Trainer room (may import the Accelerate room, not the reverse)
-    ("hf_trainer.arguments", "hf_trainer.resume"),
+    ("hf_trainer.arguments", "hf_trainer.resume", "hf_trainer.masked_reductions"),
     ("hf_trainer.trainer",),
     ("hf_trainer",),
     ("launcher",),  # accel-xla-fsdp launch: both rooms' names pointed at the engine

@@ -1,7 +1,7 @@
 """Run by tests/test_patches.py in a fresh process: what importing accel_xla_fsdp replaces.
 
 ``python patch_check.py TARGETS_JSON`` records each target's original (as stored) before
-``accel_xla_fsdp`` is imported, imports the package and both rooms (and installs the PEFT and launcher stages),
+``accel_xla_fsdp`` is imported, imports the package and both rooms (and installs the PEFT, launcher and DPO stages),
 then prints as JSON: the targets the table lists for this platform, those installed, those whose
 name holds the installed replacement, every function of ours found in another library's modules
 and classes (the patches actually present, listed or not), and after ``uninstall()`` the targets
@@ -19,7 +19,18 @@ from types import FunctionType, ModuleType
 from typing import Any, List, Set, Tuple
 
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "accel_xla_fsdp")
-LIBRARIES = ("torch", "torch_xla", "transformers", "accelerate", "tqdm", "datasets", "peft", "logging", "builtins")
+LIBRARIES = (
+    "torch",
+    "torch_xla",
+    "transformers",
+    "accelerate",
+    "tqdm",
+    "datasets",
+    "peft",
+    "trl",
+    "logging",
+    "builtins",
+)
 _ABSENT = object()
 
 
@@ -76,6 +87,7 @@ def main(targets: List[str]) -> None:
 
     patches.install(patches.Stage.PEFT_LOAD)
     patches.install(patches.Stage.LAUNCHER)
+    patches.install(patches.Stage.DPO_TRAINER)
     installed = patches.installed()
     result = {
         "listed": sorted(p.target for p in patches.PATCHES if p.applies() and _stored(p.target) is not _ABSENT),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
@@ -47,6 +48,7 @@ from ..checkpoint import CheckpointError, load_sharded, save_sharded
 from ..fsdp import XlaFullyShardedDataParallel
 from ..hf_accelerate.accelerator import Accelerator, XlaDataLoader
 from ..state_dict import kept_on_this_replica
+from ..xla_cpu import patches
 from ..xla_cpu.rendezvous import agree
 from .arguments import check_precision, fixed_shapes, plugin_from_training_args
 from .resume import SHARDED_DIR, incomplete_reason, is_newest, newest_complete
@@ -106,6 +108,8 @@ class XlaFsdpTrainerMixin(_TrainerBase):
     without being asked (``mixin_new``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if _is_trl_dpo_trainer(self):
+            patches.install(patches.Stage.DPO_TRAINER)  # its masked metrics in programs of one shape
         args, kwargs, training_args = _training_args_taken_over(args, kwargs)
         self._xla_fsdp_plugin = None if training_args is None else plugin_from_training_args(training_args)
         super().__init__(*args, **kwargs)
@@ -313,6 +317,12 @@ def _training_args_taken_over(
 
 _with_mixin: Dict[type, type] = {}
 _with_mixin_lock = threading.Lock()
+
+
+def _is_trl_dpo_trainer(trainer: Any) -> bool:
+    # TRL is not imported to ask: a DPOTrainer's module is imported already.
+    dpo = sys.modules.get("trl.trainer.dpo_trainer")
+    return dpo is not None and isinstance(trainer, getattr(dpo, "DPOTrainer", ()))
 
 
 def with_mixin(cls: type) -> type:

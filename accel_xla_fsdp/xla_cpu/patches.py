@@ -25,6 +25,9 @@ When (``Stage``):
 * ``PEFT_LOAD``, at the first ``from_pretrained`` that ``fsdp_cpu_ram_efficient_loading`` defers:
   PEFT's adapter placement, only ever reached after such a load. Importing PEFT to patch it
   earlier would cost every run seconds.
+* ``DPO_TRAINER``, when a trainer that is a TRL ``DPOTrainer`` is built with
+  ``XlaFsdpTrainerMixin`` (under ``accel-xla-fsdp launch`` every trainer is): TRL's DPO loss.
+  Importing TRL to patch it earlier would cost every run seconds.
 
 Where (``Platforms``): ``XLA_CPU`` entries are installed only when the platform is XLA:CPU, where
 the replicas are threads of one process (and their replacements fall back to the original outside
@@ -42,6 +45,7 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -55,6 +59,7 @@ class Stage(enum.Enum):
     TRAINER = "import of the Trainer room (accel_xla_fsdp.Trainer)"
     LAUNCHER = "accel-xla-fsdp launch, in each replica process before the script runs"
     PEFT_LOAD = "first from_pretrained deferred by fsdp_cpu_ram_efficient_loading"
+    DPO_TRAINER = "first TRL DPOTrainer built with XlaFsdpTrainerMixin (under accel-xla-fsdp launch: any)"
 
 
 class Platforms(enum.Enum):
@@ -285,6 +290,19 @@ PATCHES: Tuple[Patch, ...] = (
         Stage.PEFT_LOAD,
         optional=True,
     ),
+    Patch(
+        "trl.trainer.dpo_trainer:DPOTrainer._compute_loss",
+        "accel_xla_fsdp.hf_trainer.masked_reductions:reducing_masked_selections",
+        "TRL's default metrics logits/chosen and logits/rejected sum a boolean-mask selection (x[mask].sum()), on "
+        "XLA a gather of as many elements as the mask selects: a new program for every new token count (DPO, 4 "
+        "replicas: 52 to 84 programs compiled over 6 steps, 4 to 5 new each step). On XLA, the original runs under "
+        "a torch function mode that computes a whole sum or mean of such a selection as where(mask, x, 0).sum() "
+        "(/ mask.sum()), one program: the same value to round-off and the same gradient; any other use of the "
+        "selection is the selection (hf_trainer/masked_reductions.py)",
+        Platforms.EVERY,
+        Stage.DPO_TRAINER,
+        optional=True,
+    ),
 )
 
 
@@ -300,6 +318,7 @@ class _Installed:
 
 _INHERITED = object()  # the original was found on a base class, not on the owner itself
 _installed: List[_Installed] = []
+_installing = threading.RLock()  # replica threads install a stage at once (DPO_TRAINER: each builds a trainer)
 
 
 def resolve(target: str) -> Tuple[Any, str]:
@@ -326,10 +345,11 @@ def _function(path: str) -> Callable[[Any], Any]:
 
 def install(stage: Stage) -> None:
     """Install every entry of ``stage`` that applies on this platform and is not installed yet."""
-    done = {entry.patch for entry in _installed}
-    for patch in PATCHES:
-        if patch.stage is stage and patch.applies() and patch not in done:
-            _install(patch)
+    with _installing:
+        done = {entry.patch for entry in _installed}
+        for patch in PATCHES:
+            if patch.stage is stage and patch.applies() and patch not in done:
+                _install(patch)
 
 
 def _install(patch: Patch) -> None:
