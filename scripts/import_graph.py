@@ -31,7 +31,14 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("_xla",),
     ("xla_cpu.graph_boundaries",),
     ("xla_cpu.rendezvous",),
-    ("xla_cpu.seeds", "xla_cpu.host_collectives", "xla_cpu.script_logging", "xla_cpu.tqdm_lock", "xla_cpu.sdpa_mask"),
+    (
+        "xla_cpu.seeds",
+        "xla_cpu.host_collectives",
+        "xla_cpu.script_logging",
+        "xla_cpu.tqdm_lock",
+        "xla_cpu.dill_capture",
+        "xla_cpu.sdpa_mask",
+    ),
     ("xla_cpu.patches",),  # names the rooms' patch functions by string: it imports none of them
     ("xla_cpu", "xla_cpu.__main__"),
     # the engine

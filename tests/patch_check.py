@@ -26,6 +26,7 @@ LIBRARIES = (
     "accelerate",
     "tqdm",
     "datasets",
+    "dill",
     "peft",
     "trl",
     "logging",

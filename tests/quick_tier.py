@@ -133,6 +133,7 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ),
     ("test_launch_habits.py::test_tied_from_pretrained_inside_main_loads_into_shards", "(the same launch)"),
     ("test_replica_datasets.py::test_replica_threads_take_turns_through_tqdm_lock", "xla_cpu/tqdm_lock.py"),
+    ("test_replica_dill_capture.py::test_replica_threads_each_capture_their_own_stdout", "xla_cpu/dill_capture.py"),
     ("test_trainer.py::test_fsdp_config_keys_mean_what_the_trainer_documents", "hf_trainer/arguments.py"),
     ("test_trainer.py::test_what_xla_fsdp_does_not_take_is_refused_by_name", "hf_trainer/arguments.py errors"),
     (

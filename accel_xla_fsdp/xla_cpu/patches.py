@@ -215,6 +215,17 @@ PATCHES: Tuple[Patch, ...] = (
         optional=True,
     ),
     Patch(
+        "dill.temp:capture",
+        "accel_xla_fsdp.xla_cpu.dill_capture:per_thread",
+        "dill swaps the process-wide sys.stdout for a StringIO while it disassembles a function datasets "
+        "fingerprints (.map in TRL's dataset preparation); replica threads at once put back each other's "
+        "StringIO: the Trainer's loss lines were lost and a bytecode listing printed (TRL's sft.py, 4 replicas, "
+        "2 logs of 3); on replica threads each thread's writes go to its own capture",
+        Platforms.XLA_CPU,
+        Stage.ACCELERATE,
+        optional=True,
+    ),
+    Patch(
         "transformers.masking_utils:_ignore_causal_mask_sdpa",
         "accel_xla_fsdp.xla_cpu.sdpa_mask:without_read_back",
         "asks fast_all(padding_mask), a host read-back mid-forward that replica threads run at once, outside "
