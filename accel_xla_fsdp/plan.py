@@ -24,6 +24,7 @@ runtime with one device, a fresh model; each compile too, in the compiler's venv
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -158,31 +159,46 @@ class ZeroShards:
         return torch.zeros(stop - start, dtype=param.dtype)
 
 
-def trace(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Trace and export the step ``spec`` describes (see ``_trace_spec``); returns its FSDP
-    communication floor and parameter count."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+def trace(spec: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """Trace and export the step ``spec`` describes (``_trace_spec``) at each of its depths, one
+    after the other in this process; returns each one's FSDP communication floor."""
+    from transformers import AutoConfig
 
-    from . import _xla, tpu_program
-    from .hf_accelerate.plugin import CONFIG_FILE_ENV, XlaFsdpPlugin
+    from . import _xla
+    from .hf_accelerate.plugin import CONFIG_FILE_ENV
 
     if spec["config_file"]:
         os.environ[CONFIG_FILE_ENV] = spec["config_file"]
-    config = with_layers(AutoConfig.from_pretrained(spec["model"]), spec["layers"])
-    compute_dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    config = AutoConfig.from_pretrained(spec["model"])
+    floors = {}
     with _xla.tracing_replica(0, spec["chips"], "TPU"):
-        with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
-            model = AutoModelForCausalLM.from_config(config)
-        parameters = sum(p.numel() for p in model.parameters())
-        wrapped = XlaFsdpPlugin().wrap(
-            model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=ZeroShards()
-        )
-        ids = torch.zeros(spec["batch"], spec["seq"], dtype=torch.long, device=_xla.device())
-        tpu_program.export_training_step(wrapped, ids, Path(spec["out"]))
-        floor = tpu_program.communication_floor(wrapped)
-    return {"floor": floor, "parameters": parameters}
+        for layers in spec["layers"]:
+            gc.collect()  # the previous depth's step, pending collectives and all
+            floors[layers] = {"floor": _trace_one(spec, with_layers(config, layers), program_path(spec, layers))}
+    return floors
+
+
+def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from . import _xla, tpu_program
+    from .hf_accelerate.plugin import XlaFsdpPlugin
+
+    compute_dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
+        model = AutoModelForCausalLM.from_config(config)
+    wrapped = XlaFsdpPlugin().wrap(
+        model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=ZeroShards()
+    )
+    ids = torch.zeros(spec["batch"], spec["seq"], dtype=torch.long, device=_xla.device())
+    tpu_program.export_training_step(wrapped, ids, out)
+    return tpu_program.communication_floor(wrapped)
+
+
+def program_path(spec: Dict[str, Any], layers: int) -> Path:
+    return Path(spec["workdir"]) / f"step.{layers}-layers.hlo"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,34 +249,37 @@ class Request:
     config_file: Optional[str]
 
 
-def _trace_spec(request: Request, layers: int, out: Path) -> Dict[str, Any]:
+def _trace_spec(request: Request, depths: Sequence[int], workdir: Path) -> Dict[str, Any]:
     return {
         "model": request.model,
-        "layers": layers,
+        "layers": list(depths),
         "chips": request.slice.chips,
         "seq": request.seq,
         "batch": request.batch,
         "precision": request.precision,
         "checkpointing": request.checkpointing,
         "config_file": request.config_file,
-        "out": str(out),
+        "workdir": str(workdir),
     }
 
 
-def run_trace(request: Request, layers: int, workdir: Path) -> Tuple[Path, Dict[str, Any]]:
-    out = workdir / f"step.{layers}-layers.hlo"
-    spec_path = workdir / f"trace.{layers}.json"
-    spec_path.write_text(json.dumps(_trace_spec(request, layers, out)))
+def run_traces(request: Request, depths: Sequence[int], workdir: Path) -> Dict[int, Tuple[Path, float]]:
+    """Each depth's exported program and floor, traced in one process of its own."""
+    spec = _trace_spec(request, depths, workdir)
+    spec_path = workdir / "trace.json"
+    spec_path.write_text(json.dumps(spec))
     # one XLA:CPU device: tracing_replica refuses several
     env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
     env["PJRT_DEVICE"] = "CPU"
-    print(f"plan: tracing {layers} decoder layers as replica 0 of {request.slice.chips}", file=sys.stderr, flush=True)
+    what = " and ".join(map(str, depths))
+    print(f"plan: tracing {what} decoder layers as replica 0 of {request.slice.chips}", file=sys.stderr, flush=True)
     done = subprocess.run(
         [sys.executable, "-m", "accel_xla_fsdp.plan", str(spec_path)], env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise PlanError(f"tracing the step failed:\n{done.stderr[-4000:]}")
-    return out, json.loads(spec_path.with_suffix(".out.json").read_text())
+    floors = json.loads(spec_path.with_suffix(".out.json").read_text())
+    return {layers: (program_path(spec, layers), floors[str(layers)]["floor"]) for layers in depths}
 
 
 def run_compile(python: Path, programs: Sequence[Path], request: Request) -> List[Dict[str, Any]]:
@@ -303,9 +322,9 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     budget = int(args.max_trace_memory * GIB)
     depths = trace_depths(depth, per_layer, rest, the_slice.chips, budget, args.check_extrapolation)
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
-        traced = {layers: run_trace(request, layers, Path(tmp)) for layers in depths}
-        reports = run_compile(python, [path for path, _ in traced.values()], request)
-        steps = {layers: Step.of(layers, r, traced[layers][1]["floor"]) for layers, r in zip(depths, reports)}
+        traced = run_traces(request, depths, Path(tmp))
+        reports = run_compile(python, [traced[layers][0] for layers in depths], request)
+        steps = {layers: Step.of(layers, r, traced[layers][1]) for layers, r in zip(depths, reports)}
         if args.hlo_out:
             shutil.copyfile(traced[max(depths)][0], args.hlo_out)
     extrapolated = depth not in steps
@@ -329,6 +348,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "fits": step.peak <= the_slice.hbm,
         "margin": the_slice.hbm - step.peak,
     }
+    result["traced"] = [asdict(s) for s in steps.values()]
     if len(steps) == 3:  # --check-extrapolation: the full compile's figures, and the extrapolation's
         line = steps[1].extrapolated(steps[2], depth)
         result["check"] = {k: {"extrapolated": getattr(line, k), "compiled": getattr(step, k)} for k in FIGURES}
