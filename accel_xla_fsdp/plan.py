@@ -223,7 +223,8 @@ class Step:
     @classmethod
     def of(cls, layers: int, report: Dict[str, Any], floor: float) -> Step:
         counts = {kind: float(c["count"]) for kind, c in report["collectives"].items()}
-        return cls(layers, *(float(report[k]) for k in FIGURES[:-1]), floor, counts)
+        figures = {k: float(report[k]) for k in FIGURES[:-1]}
+        return cls(layers=layers, floor=floor, collectives=counts, **figures)
 
     def extrapolated(self, deeper: Step, layers: int) -> Step:
         """This step's figures continued linearly through ``deeper``'s to ``layers`` layers."""
@@ -232,10 +233,10 @@ class Step:
         def line(a: float, b: float) -> float:
             return a + scale * (b - a)
 
-        figures = [line(getattr(self, k), getattr(deeper, k)) for k in FIGURES]
+        figures = {k: line(getattr(self, k), getattr(deeper, k)) for k in FIGURES}
         kinds = set(self.collectives) | set(deeper.collectives)
         counts = {k: line(self.collectives.get(k, 0.0), deeper.collectives.get(k, 0.0)) for k in sorted(kinds)}
-        return Step(layers, *figures, counts)
+        return Step(layers=layers, collectives=counts, **figures)
 
 
 @dataclass(frozen=True)
