@@ -13,9 +13,12 @@ Tracing holds this replica's shards, gradients and AdamW moments in this machine
 ``--max-trace-memory``, two models of the same width with 1 and 2 decoder layers are traced and
 compiled, and every figure (arguments, output, alias, temp, collectives, traffic, floor) is
 extrapolated linearly to the model's depth: f(L) = f(1) + (L - 1) * (f(2) - f(1)). Exact for
-arguments and traffic (each layer adds the same shards and collectives); for temp it assumes the
-peak grows by one layer's share per layer, which ``--check-extrapolation`` measures against a
-full-depth compile (docs/plan.md gives the errors found).
+arguments and traffic (each layer adds the same shards and collectives). Not for temp: it is the
+live set at the schedule's worst moment, often the root's logits and gathered embedding, and the
+compiler schedules a 1-layer model differently (Llama-3.2-1B, bf16, checkpointed: 3.17, 2.25 and
+3.17 GiB at 1, 2 and 16 layers). So temp is the larger of the two compiled temps, or of the line
+through them where it grows (what each layer keeps for backward); peak = argument + output -
+alias + temp. ``--check-extrapolation`` measures it against a full-depth compile (docs/plan.md).
 
 Each trace is a process of its own (``python -m accel_xla_fsdp.plan SPEC.json``): the XLA:CPU
 runtime with one device, a fresh model; each compile too, in the compiler's venv.
@@ -234,6 +237,10 @@ class Step:
             return a + scale * (b - a)
 
         figures = {k: line(getattr(self, k), getattr(deeper, k)) for k in FIGURES}
+        # [Note: tracing a few layers]: temp is the live set at the schedule's worst moment, not a
+        # sum; it grows with depth only by what each layer keeps for backward.
+        figures["temp"] = max(self.temp, deeper.temp, figures["temp"])
+        figures["peak"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
         kinds = set(self.collectives) | set(deeper.collectives)
         counts = {k: line(self.collectives.get(k, 0.0), deeper.collectives.get(k, 0.0)) for k in sorted(kinds)}
         return Step(layers=layers, collectives=counts, **figures)

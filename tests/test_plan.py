@@ -113,6 +113,9 @@ def test_extrapolation_is_linear_in_depth() -> None:
     ten = one.extrapolated(two, 10)
     assert (ten.argument, ten.temp, ten.peak, ten.ring_bytes) == (46.0, 12.0, 58.0, 25.0)
     assert ten.collectives == {"all-gather": 23, "reduce-scatter": 12}
+    # a temp that falls from 1 to 2 layers (the root's, scheduled differently) stays the larger
+    shallower = plan.Step(2, 14.0, 7.0, 7.0, 2.0, 16.0, 9.0, 9.0, {})
+    assert (one.extrapolated(shallower, 10).temp, one.extrapolated(shallower, 10).peak) == (3.0, 49.0)
 
 
 def test_a_step_that_does_not_fit_gets_hints() -> None:
@@ -149,7 +152,7 @@ def test_plan_end_to_end(tpu_python: Path, tiny: Path, tmp_path: Path) -> None: 
     # parameter shards and AdamW's two moments, f32; each of the 21 shards padded to whole (16, 128) tiles
     shards = result["parameters"] / 8
     assert 12 * shards <= result["argument"] <= 12 * (shards + 21 * 2048) + 1024
-    assert result["output"] - result["alias"] < 1024  # everything but the loss is donated
+    assert result["output"] - result["alias"] <= 4096  # everything but the loss is donated
     assert result["peak"] == result["argument"] + result["output"] - result["alias"] + result["temp"]
     assert set(result["collectives"]) == {"all-gather", "reduce-scatter"}
     assert result["floor"] <= result["ring_bytes"] <= 1.05 * result["floor"]
