@@ -419,7 +419,7 @@ def format_plan(r: Dict[str, Any]) -> str:
     def gib(x: float) -> str:
         return f"{x / GIB:,.2f} GiB" if abs(x) >= GIB else f"{x / (1 << 20):,.1f} MiB"
 
-    precision = "bf16 compute (f32 parameters, gradients reduced in bf16, f32 AdamW state)"
+    precision = "bf16 compute (f32 parameters and AdamW state)"
     if r["precision"] == "fp32":
         precision = "fp32"
     depth = f"{r['layers']} decoder layers"
