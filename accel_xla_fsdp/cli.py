@@ -5,6 +5,8 @@
                                [--dtype bfloat16] [--optimizer] [--overwrite]
     accel-xla-fsdp convert-torch-xla INPUT OUT_DIR [--max-shard-size 5GB] [--config PATH]
                                      [--dtype bfloat16] [--overwrite]
+    accel-xla-fsdp plan MODEL --topology v5e-8 [--seq 2048] [--batch 1] [--precision bf16]
+                        [--gradient-checkpointing] [--config_file FILE] [--json] [--hlo-out FILE]
 
 Bad input (a ``CheckpointError``, an OS error) or bad arguments end the command with a message
 and a non-zero exit status (1, or 2 for arguments), without a traceback.
@@ -82,7 +84,9 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="accel-xla-fsdp", description="Tools for accel-xla-fsdp checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="accel-xla-fsdp", description="accel-xla-fsdp's tools: launch, checkpoints, plans for TPU slices."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser(
         "launch",
@@ -121,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("output_dir", metavar="OUT_DIR", help="the folder to write the model into (created)")
     _add_output_options(t)
     t.set_defaults(run=_convert)
+    from .plan import PLAN_HELP, add_arguments
+
+    p = commands.add_parser(
+        "plan",
+        help="compile a training step for a TPU slice (no TPU, no weights): does the model fit?",
+        description=PLAN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(run=_plan)
     return parser
 
 
@@ -165,6 +179,16 @@ def _convert(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out}")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import PlanError, run
+
+    try:
+        return run(args)
+    except PlanError as e:
+        print(f"accel-xla-fsdp plan: error: {e}", file=sys.stderr)
+        return 1
 
 
 LAUNCH_HELP = """\

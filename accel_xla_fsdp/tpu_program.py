@@ -109,6 +109,24 @@ def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations],
     return ExportedProgram(path, len(param_ids), len(outputs), len(aliases))
 
 
+def export_training_step(
+    model: torch.nn.Module, input_ids: torch.Tensor, path: Path, autocast: bool = False
+) -> ExportedProgram:
+    """Trace one steady training step of a causal LM on ``input_ids`` (their own labels):
+    forward, backward, AdamW with its state present, and export it (``export_step``). Nothing
+    runs but the creation of AdamW's state. ``autocast``: under ``torch.autocast`` in bf16 (for a
+    model that has no compute dtype of its own, as SPMD's)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    create_optimizer_state(optimizer)
+    donations = Donations.of_step(model, optimizer)
+    with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return export_step([loss, *model.parameters(), *xla_tensors(optimizer)], donations, path)
+
+
 def _aliases(outputs: List[torch.Tensor], param_ids: Sequence[int], donations: Donations) -> Dict[int, int]:
     """Output index -> the parameter number of the buffer it takes over."""
     parameter_of = {tensor_id: i for i, tensor_id in enumerate(param_ids)}

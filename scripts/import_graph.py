@@ -76,6 +76,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("hf_trainer.trainer",),
     ("hf_trainer",),
     ("launcher",),  # accel-xla-fsdp launch: both rooms' names pointed at the engine
+    ("plan",),  # accel-xla-fsdp plan: a step traced as the Accelerate plugin wraps it, compiled for TPU
     ("cli",),
     ("",),  # the package's __init__
     ("__main__",),

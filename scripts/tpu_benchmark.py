@@ -79,24 +79,6 @@ def llama_config(args: argparse.Namespace):
     )
 
 
-def traced_step(model, ids, path: Path, autocast: bool = False) -> None:
-    """Trace one steady training step of ``model`` on ``ids`` and export it (nothing runs but the
-    creation of AdamW's state)."""
-    import torch
-
-    from accel_xla_fsdp import tpu_program
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tpu_program.create_optimizer_state(optimizer)
-    donations = tpu_program.Donations.of_step(model, optimizer)
-    with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tpu_program.export_step([loss, *model.parameters(), *tpu_program.xla_tensors(optimizer)], donations, path)
-
-
 def checkpointed(wrapper: Any, checkpoint_module: Any) -> Any:
     """An ``auto_wrapper_callable`` that checkpoints each unit it wraps."""
     return lambda m, *a, **kw: wrapper(checkpoint_module(m), *a, **kw)
@@ -127,7 +109,7 @@ def trace_ours(args: argparse.Namespace, path: Path, flat: bool) -> float:
             **json.loads(args.options),
         )
         ids = torch.zeros(1, args.seq, dtype=torch.long, device=_xla.device())
-        traced_step(model, ids, path)
+        tpu_program.export_training_step(model, ids, path)
         return tpu_program.communication_floor(model)
 
 
@@ -138,6 +120,8 @@ def trace_torch_xla_fsdp(args: argparse.Namespace, path: Path) -> None:
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from accel_xla_fsdp import tpu_program
 
     torch.manual_seed(0)
     device = torch_xla.device()
@@ -151,7 +135,7 @@ def trace_torch_xla_fsdp(args: argparse.Namespace, path: Path) -> None:
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
     model = XlaFullyShardedDataParallel(model, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **replica)
     ids = torch.zeros(1, args.seq, dtype=torch.long, device=device)
-    traced_step(model, ids, path)
+    tpu_program.export_training_step(model, ids, path)
 
 
 def trace_spmd(args: argparse.Namespace, path: Path) -> None:
@@ -165,6 +149,8 @@ def trace_spmd(args: argparse.Namespace, path: Path) -> None:
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from accel_xla_fsdp import tpu_program
 
     xr.use_spmd()
     assert xr.global_runtime_device_count() == args.chips, "one XLA:CPU device per chip (cpu_device_env)"
@@ -185,7 +171,7 @@ def trace_spmd(args: argparse.Namespace, path: Path) -> None:
     )
     ids = torch.zeros(args.chips, args.seq, dtype=torch.long, device=torch_xla.device())  # batch 1 per chip
     xs.mark_sharding(ids, mesh, ("fsdp", None))
-    traced_step(model, ids, path, autocast=args.precision == "bf16")
+    tpu_program.export_training_step(model, ids, path, autocast=args.precision == "bf16")
 
 
 def trace(args: argparse.Namespace) -> None:

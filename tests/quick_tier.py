@@ -92,6 +92,8 @@ QUICK: Tuple[Tuple[str, str], ...] = (
     ),
     ("test_consolidate.py::test_bad_arguments", "cli.py, in process"),
     ("test_consolidate.py::test_console_script_fails_cleanly", "__main__.py: python -m accel_xla_fsdp"),
+    ("test_plan.py::test_bad_model_is_named", "plan.py: bad input named, nothing compiled"),
+    ("test_plan.py::test_config_file_settings_and_overrides", "plan.py: the launch config file's settings"),
     (
         "test_torch_xla_conversion.py::test_torch_xla_rank_files_read_back_the_model[script-flat]",
         "checkpoint/torch_xla_files.py",

@@ -1,0 +1,533 @@
+"""``accel-xla-fsdp plan MODEL --topology v5e-8``: does a model fine-tune on a TPU slice?
+
+Answered on any machine, without a TPU and without weights: the model is built from its config on
+the meta device, wrapped as the Accelerate plugin wraps it (``--config_file``), and one training
+step (forward, backward, AdamW with its state) is traced as replica 0 of the slice's chips
+(``_xla.tracing_replica``: shards sized for the slice, collectives in the TPU form) and compiled
+by the real TPU compiler (``tpu_compiler.py`` in ``.tpu-venv``). The compiler's memory plan per
+chip is set against the chip's HBM.
+
+[Note: tracing a few layers]
+Tracing holds this replica's shards, gradients and AdamW moments in this machine's memory (about
+16 bytes per parameter / chips). When the model's full depth would need more than
+``--max-trace-memory``, two models of the same width with 1 and 2 decoder layers are traced and
+compiled, and every figure (arguments, output, alias, temp, collectives, traffic, floor) is
+extrapolated linearly to the model's depth: f(L) = f(1) + (L - 1) * (f(2) - f(1)). Exact for
+arguments and traffic (each layer adds the same shards and collectives). Not for temp: it is the
+live set at the schedule's worst moment, often the root's logits and gathered embedding, and the
+compiler schedules a 1-layer model differently (Llama-3.2-1B, bf16, checkpointed: 3.17, 2.25 and
+3.17 GiB at 1, 2 and 16 layers). So temp is the larger of the two compiled temps, or of the line
+through them where it grows (what each layer keeps for backward); peak = argument + output -
+alias + temp. ``--check-extrapolation`` measures it against a full-depth compile (docs/plan.md):
++0.12% for the peak of Llama-3.2-1B, but 36% low for a small program whose temps at 1 and 2 layers were
+tens of MiB (the compiler keeps such buffers on chip).
+
+Each trace is a process of its own (``python -m accel_xla_fsdp.plan SPEC.json``): the XLA:CPU
+runtime with one device, a fresh model; each compile too, in the compiler's venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import tpu_compiler  # its topology and HBM tables (importing it imports no JAX)
+
+PACKAGE = Path(__file__).resolve().parent
+TPU_PYTHON_ENV = "ACCEL_XLA_FSDP_TPU_PYTHON"
+GIB = 1 << 30
+# Bytes of host memory a trace holds per parameter of this replica's shards: the shard, its
+# gradient (while AdamW's state is created) and AdamW's two moments, all f32.
+TRACE_BYTES_PER_SHARD_PARAM = 16
+TRACE_OVERHEAD = 2 * GIB  # torch, transformers, the runtime, the traced graph
+FIGURES = ("argument", "output", "alias", "temp", "peak", "ring_bytes", "floor")
+
+PLAN_HELP = """\
+Compile one training step of MODEL (forward, backward, AdamW with its state) for a TPU slice with
+the real TPU compiler, here, with no TPU and no weights, and say whether it fits the chips' HBM.
+
+MODEL is a folder holding config.json or the config file itself (a transformers causal LM). The
+step is our engine's as `accelerate launch --config_file FILE` runs it (the plugin's fsdp_config,
+mixed_precision and fsdp_activation_checkpointing; options below override them), sequence
+--seq, --batch sequences per chip. Needs the TPU compiler: `bash scripts/ensure_tpu_venv.sh` in
+the accel-xla-fsdp checkout, or ACCEL_XLA_FSDP_TPU_PYTHON naming a Python with jax[tpu]==0.10.2.
+
+A model too large to trace here at full depth (--max-trace-memory) is traced with 1 and 2 decoder
+layers at full width and extrapolated to its depth (said in the output; docs/plan.md)."""
+
+
+class PlanError(Exception):
+    """Bad input to ``plan``: the message names it and what to do."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    name: str
+    generation: str
+    chips: int
+    hbm: int
+
+
+def topology(name: str) -> Slice:
+    if name not in tpu_compiler.TOPOLOGIES:
+        raise PlanError(f"unknown topology {name!r}: choose one of {', '.join(sorted(tpu_compiler.TOPOLOGIES))}")
+    jax_name, _ = tpu_compiler.TOPOLOGIES[name]
+    generation, shape = jax_name.split(":")
+    chips = 1
+    for d in shape.split("x"):
+        chips *= int(d)
+    return Slice(name, generation, chips, tpu_compiler.HBM_BYTES[generation])
+
+
+def tpu_python() -> Path:
+    """The compiler's Python: $ACCEL_XLA_FSDP_TPU_PYTHON, else the checkout's .tpu-venv."""
+    configured = os.environ.get(TPU_PYTHON_ENV)
+    python = Path(configured) if configured else PACKAGE.parent / ".tpu-venv" / "bin" / "python"
+    if not python.exists():
+        raise PlanError(
+            f"the TPU compiler is missing: no {python}. Run `bash scripts/ensure_tpu_venv.sh` in the "
+            "accel-xla-fsdp checkout (a venv .tpu-venv with pip install 'jax[tpu]==0.10.2', 1.3 GB), or set "
+            f"{TPU_PYTHON_ENV} to a Python that has it"
+        )
+    return python
+
+
+def load_config(model: str) -> Any:
+    """MODEL's transformers config (a folder holding config.json, or the file), checked to be a
+    causal LM transformers can build."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")  # transformers imports torch_xla, which asks
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    path = Path(model)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise PlanError(f"{model}: no config.json in this folder (give a model folder or its config.json)")
+    if not path.exists():
+        raise PlanError(f"{model}: no such folder or file (give a model folder or its config.json)")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise PlanError(f"{model}: not a transformers config transformers knows: {e}") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise PlanError(
+            f"{model}: model_type {config.model_type!r} is not a causal language model transformers knows "
+            "(AutoModelForCausalLM has no class for it)"
+        )
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise PlanError(f"{model}: its config has no num_hidden_layers: cannot tell the model's depth")
+    return config
+
+
+def with_layers(config: Any, layers: int) -> Any:
+    """A copy of ``config`` with ``layers`` decoder layers (and per-layer lists cut to them)."""
+    config = config.__class__.from_dict(config.to_dict())
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    config.use_cache = False
+    return config
+
+
+def parameter_count(config: Any) -> int:
+    """Parameters of the model ``config`` describes, counted on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# The trace (a process of its own)
+
+
+class ZeroShards:
+    """A ``ShardSource`` that fills each replica's shards with zeros: a trace reads shapes, so the
+    model, built on the meta device, is never whole in memory."""
+
+    def remember_names(self, model: Any) -> None:
+        pass
+
+    def read(self, param: Any, start: int, stop: int) -> Any:
+        import torch
+
+        return torch.zeros(stop - start, dtype=param.dtype)
+
+
+def trace(spec: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """Trace and export the step ``spec`` describes (``_trace_spec``) at each of its depths, one
+    after the other in this process; returns each one's FSDP communication floor."""
+    from transformers import AutoConfig
+
+    from . import _xla
+    from .hf_accelerate.plugin import CONFIG_FILE_ENV
+
+    if spec["config_file"]:
+        os.environ[CONFIG_FILE_ENV] = spec["config_file"]
+    config = AutoConfig.from_pretrained(spec["model"])
+    floors = {}
+    with _xla.tracing_replica(0, spec["chips"], "TPU"):
+        for layers in spec["layers"]:
+            gc.collect()  # the previous depth's step, pending collectives and all
+            floors[layers] = {"floor": _trace_one(spec, with_layers(config, layers), program_path(spec, layers))}
+    return floors
+
+
+def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from . import _xla, tpu_program
+    from .hf_accelerate.plugin import XlaFsdpPlugin
+
+    compute_dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
+        model = AutoModelForCausalLM.from_config(config)
+    wrapped = XlaFsdpPlugin().wrap(
+        model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=ZeroShards()
+    )
+    ids = torch.zeros(spec["batch"], spec["seq"], dtype=torch.long, device=_xla.device())
+    tpu_program.export_training_step(wrapped, ids, out)
+    return tpu_program.communication_floor(wrapped)
+
+
+def program_path(spec: Dict[str, Any], layers: int) -> Path:
+    return Path(spec["workdir"]) / f"step.{layers}-layers.hlo"
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: traces and compiles as processes, extrapolation, the verdict
+
+
+@dataclass
+class Step:
+    """One compiled step's figures per chip (bytes), as ``tpu_compiler`` reports them, with the
+    FSDP floor of its traffic."""
+
+    layers: int
+    argument: float
+    output: float
+    alias: float
+    temp: float
+    peak: float
+    ring_bytes: float
+    floor: float
+    collectives: Dict[str, float] = field(default_factory=dict)  # kind -> count
+
+    @classmethod
+    def of(cls, layers: int, report: Dict[str, Any], floor: float) -> Step:
+        counts = {kind: float(c["count"]) for kind, c in report["collectives"].items()}
+        figures = {k: float(report[k]) for k in FIGURES[:-1]}
+        return cls(layers=layers, floor=floor, collectives=counts, **figures)
+
+    def extrapolated(self, deeper: Step, layers: int) -> Step:
+        """This step's figures continued linearly through ``deeper``'s to ``layers`` layers."""
+        scale = (layers - self.layers) / (deeper.layers - self.layers)
+
+        def line(a: float, b: float) -> float:
+            return a + scale * (b - a)
+
+        figures = {k: line(getattr(self, k), getattr(deeper, k)) for k in FIGURES}
+        # [Note: tracing a few layers]: temp is the live set at the schedule's worst moment, not a
+        # sum; it grows with depth only by what each layer keeps for backward.
+        figures["temp"] = max(self.temp, deeper.temp, figures["temp"])
+        figures["peak"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
+        kinds = set(self.collectives) | set(deeper.collectives)
+        counts = {k: line(self.collectives.get(k, 0.0), deeper.collectives.get(k, 0.0)) for k in sorted(kinds)}
+        return Step(layers=layers, collectives=counts, **figures)
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str
+    slice: Slice
+    seq: int
+    batch: int
+    precision: str
+    checkpointing: bool
+    config_file: Optional[str]
+
+
+def _trace_spec(request: Request, depths: Sequence[int], workdir: Path) -> Dict[str, Any]:
+    return {
+        "model": request.model,
+        "layers": list(depths),
+        "chips": request.slice.chips,
+        "seq": request.seq,
+        "batch": request.batch,
+        "precision": request.precision,
+        "checkpointing": request.checkpointing,
+        "config_file": request.config_file,
+        "workdir": str(workdir),
+    }
+
+
+def run_traces(request: Request, depths: Sequence[int], workdir: Path) -> Dict[int, Tuple[Path, float]]:
+    """Each depth's exported program and floor, traced in one process of its own."""
+    spec = _trace_spec(request, depths, workdir)
+    spec_path = workdir / "trace.json"
+    spec_path.write_text(json.dumps(spec))
+    # one XLA:CPU device: tracing_replica refuses several
+    env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
+    env["PJRT_DEVICE"] = "CPU"
+    what = " and ".join(map(str, depths))
+    print(f"plan: tracing {what} decoder layers as replica 0 of {request.slice.chips}", file=sys.stderr, flush=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "accel_xla_fsdp.plan", str(spec_path)], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise PlanError(f"tracing the step failed:\n{done.stderr[-4000:]}")
+    floors = json.loads(spec_path.with_suffix(".out.json").read_text())
+    return {layers: (program_path(spec, layers), floors[str(layers)]["floor"]) for layers in depths}
+
+
+def run_compile(python: Path, programs: Sequence[Path], request: Request) -> List[Dict[str, Any]]:
+    print(f"plan: compiling {len(programs)} program(s) for {request.slice.name}", file=sys.stderr, flush=True)
+    cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), *map(str, programs), "--topology", request.slice.name]
+    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def trace_depths(full: int, per_layer: int, rest: int, chips: int, budget: int, check: bool) -> List[int]:
+    """The depths to trace: the model's own when it fits ``budget`` bytes here, else 1 and 2;
+    ``check``: 1, 2 and the model's own (its trace then may take more than ``budget``)."""
+    if full <= 2 or (not check and trace_memory(rest + full * per_layer, chips) <= budget):
+        return [full]
+    if trace_memory(rest + 2 * per_layer, chips) > budget:
+        need = trace_memory(rest + 2 * per_layer, chips) / GIB
+        raise PlanError(
+            f"even 2 decoder layers at full width need about {need:.1f} GiB here to trace on {chips} chips "
+            f"(--max-trace-memory is {budget / GIB:.1f} GiB): raise --max-trace-memory if this machine has it"
+        )
+    return [1, 2, full] if check else [1, 2]
+
+
+def trace_memory(parameters: int, chips: int) -> int:
+    return TRACE_OVERHEAD + TRACE_BYTES_PER_SHARD_PARAM * parameters // chips
+
+
+def plan(args: argparse.Namespace) -> Dict[str, Any]:
+    the_slice = topology(args.topology)
+    python = tpu_python()
+    config = load_config(args.model)
+    precision, checkpointing = _launch_settings(args)
+    model = str(Path(args.model).resolve())
+    request = Request(model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file)
+    depth = config.num_hidden_layers
+    one, two = parameter_count(with_layers(config, 1)), parameter_count(with_layers(config, 2))
+    per_layer, rest = two - one, one - (two - one)
+    budget = int(args.max_trace_memory * GIB)
+    depths = trace_depths(depth, per_layer, rest, the_slice.chips, budget, args.check_extrapolation)
+    with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
+        traced = run_traces(request, depths, Path(tmp))
+        reports = run_compile(python, [traced[layers][0] for layers in depths], request)
+        steps = {layers: Step.of(layers, r, traced[layers][1]) for layers, r in zip(depths, reports)}
+        if args.hlo_out:
+            shutil.copyfile(traced[max(depths)][0], args.hlo_out)
+    extrapolated = depth not in steps
+    step = steps[1].extrapolated(steps[2], depth) if extrapolated else steps[depth]
+    result: Dict[str, Any] = {
+        "model": args.model,
+        "model_type": config.model_type,
+        "parameters": rest + depth * per_layer,
+        "layers": depth,
+        "topology": the_slice.name,
+        "chips": the_slice.chips,
+        "hbm": the_slice.hbm,
+        "seq": args.seq,
+        "batch_per_chip": args.batch,
+        "precision": precision,
+        "gradient_checkpointing": checkpointing,
+        "config_file": args.config_file,
+        "traced_layers": depths,
+        "extrapolated": extrapolated,
+        **asdict(step),
+        "fits": step.peak <= the_slice.hbm,
+        "margin": the_slice.hbm - step.peak,
+    }
+    result["traced"] = [asdict(s) for s in steps.values()]
+    if len(steps) == 3:  # --check-extrapolation: the full compile's figures, and the extrapolation's
+        line = steps[1].extrapolated(steps[2], depth)
+        result["check"] = {k: {"extrapolated": getattr(line, k), "compiled": getattr(step, k)} for k in FIGURES}
+    result["hints"] = hints(result)
+    if args.hlo_out:
+        result["hlo_out"] = {"path": args.hlo_out, "layers": max(depths)}
+    return result
+
+
+def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool]:
+    """Precision and gradient checkpointing: the options, else the launch config file's
+    ``mixed_precision`` and ``fsdp_activation_checkpointing``, else fp32 and off."""
+    precision, checkpointing = args.precision, args.gradient_checkpointing
+    if args.config_file:
+        if not Path(args.config_file).is_file():
+            raise PlanError(f"--config_file {args.config_file}: no such file")
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        from .hf_accelerate.plugin import check_config_section, parse_bool
+
+        try:
+            launch = load_config_from_file(args.config_file)
+            section = check_config_section(launch.fsdp_config or {}, source=args.config_file)
+            configured_checkpointing = parse_bool(
+                "fsdp_activation_checkpointing", section.get("fsdp_activation_checkpointing", False)
+            )
+        except (ValueError, TypeError) as e:
+            raise PlanError(f"--config_file {args.config_file}: {e}") from None
+        if precision is None:
+            mixed = str(launch.mixed_precision or "no").lower()
+            if mixed not in ("no", "bf16"):
+                raise PlanError(
+                    f"--config_file {args.config_file}: mixed_precision {mixed!r}: XLA FSDP offers no or bf16"
+                )
+            precision = "bf16" if mixed == "bf16" else "fp32"
+        if checkpointing is None:
+            checkpointing = configured_checkpointing
+    return precision or "fp32", bool(checkpointing)
+
+
+def hints(result: Dict[str, Any]) -> List[str]:
+    """What would lower the peak, for a step that does not fit, among what it does not use yet."""
+    if result["fits"]:
+        return []
+    found = []
+    if result["precision"] == "fp32":
+        found.append("bf16 compute (--precision bf16): gathered weights, activations and gradients in half the bytes")
+    if not result["gradient_checkpointing"]:
+        found.append("gradient checkpointing (--gradient-checkpointing): activations recomputed in backward")
+    if result["batch_per_chip"] > 1:
+        found.append("a smaller per-chip batch (--batch), with gradient accumulation for the same global batch")
+    found.append(
+        f"more chips: parameters and optimizer state take {result['argument'] / GIB:.1f} GiB per chip here and "
+        "shrink with the chips they are sharded over (a larger slice, or a generation with more HBM: v5p has 95 GiB)"
+    )
+    return found
+
+
+def format_plan(r: Dict[str, Any]) -> str:
+    def gib(x: float) -> str:
+        return f"{x / GIB:,.2f} GiB" if abs(x) >= GIB else f"{x / (1 << 20):,.1f} MiB"
+
+    precision = "bf16 compute (f32 parameters and AdamW state)"
+    if r["precision"] == "fp32":
+        precision = "fp32"
+    depth = f"{r['layers']} decoder layers"
+    if r["extrapolated"]:
+        method = (
+            f"traced with 1 and 2 decoder layers at full width, extrapolated to {r['layers']} "
+            "(the full depth does not fit this machine's --max-trace-memory)"
+        )
+    else:
+        method = f"traced and compiled at full depth ({r['layers']} decoder layers)"
+    counts = ", ".join(f"{c:,.0f} {kind}" for kind, c in r["collectives"].items()) or "none"
+    lines = [
+        f"{r['model']}: {r['model_type']}, {_count(r['parameters'])} parameters, {depth}",
+        f"on {r['topology']}: {r['chips']} {r['topology'].split('-')[0]} chips of {gib(r['hbm'])} HBM",
+        f"step: sequence {r['seq']}, batch {r['batch_per_chip']} per chip, {precision}, "
+        f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
+        + (f", settings of {r['config_file']}" if r["config_file"] else ""),
+        method,
+        "",
+        "per chip, as the TPU compiler plans it:",
+        f"  arguments (parameter shards, AdamW state, batch) {gib(r['argument']):>12}",
+        f"  output not donated                               {gib(r['output'] - r['alias']):>12}",
+        f"  temp                                             {gib(r['temp']):>12}",
+        f"  peak                                             {gib(r['peak']):>12}"
+        f"  of {gib(r['hbm'])} HBM ({r['peak'] / r['hbm']:.0%})",
+        f"traffic per step, ring model: {gib(r['ring_bytes'])} sent per chip, "
+        f"{r['ring_bytes'] / r['floor']:.2f}x the FSDP floor ({gib(r['floor'])}); {counts}",
+    ]
+    if "check" in r:
+        errors = ", ".join(
+            f"{k} {(c['extrapolated'] - c['compiled']) / c['compiled']:+.2%}"
+            for k, c in r["check"].items()
+            if c["compiled"]
+        )
+        lines.append(f"extrapolation from 1 and 2 layers against this full-depth compile: {errors}")
+    if r["fits"]:
+        verdict = f"verdict: fits, {gib(r['margin'])} to spare ({r['margin'] / r['hbm']:.0%} of HBM)"
+    else:
+        verdict = f"verdict: does NOT fit, {gib(-r['margin'])} over; to lower the peak:"
+    lines += ["", verdict, *(f"  - {h}" for h in r["hints"])]
+    lines.append(
+        "(the compiler's plan of one step: the TPU runtime keeps some HBM for itself; numerics and speed are "
+        "not shown, docs/plan.md)"
+    )
+    if "hlo_out" in r:
+        lines.append(f"the exported program ({r['hlo_out']['layers']} decoder layers): {r['hlo_out']['path']}")
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="a model folder holding config.json, or the config file")
+    parser.add_argument("--topology", required=True, help=f"the slice: {', '.join(sorted(tpu_compiler.TOPOLOGIES))}")
+    parser.add_argument("--seq", type=_positive, default=2048, help="sequence length (default 2048)")
+    parser.add_argument("--batch", type=_positive, default=1, help="sequences per chip per step (default 1)")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        help="bf16: compute in bfloat16, f32 parameters and AdamW state (default: the config file's "
+        "mixed_precision, else fp32)",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="checkpoint every wrapped block (default: the config file's fsdp_activation_checkpointing, else off)",
+    )
+    parser.add_argument("--config_file", metavar="FILE", help="an `accelerate launch` config file (fsdp_config)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument(
+        "--hlo-out",
+        metavar="FILE",
+        help="write the exported program compiled (the full depth unless the plan extrapolated, "
+        "then the 2-layer program)",
+    )
+    parser.add_argument(
+        "--max-trace-memory",
+        type=float,
+        default=6.0,
+        metavar="GIB",
+        help="host memory a trace may take here; a deeper model is traced with 1 and 2 layers and "
+        "extrapolated (default 6)",
+    )
+    parser.add_argument(
+        "--check-extrapolation",
+        action="store_true",
+        help="trace 1, 2 and all layers: print the full compile with the extrapolation's error",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    result = plan(args)
+    print(json.dumps(result) if args.json else format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":  # a trace: python -m accel_xla_fsdp.plan SPEC.json
+    spec_file = Path(sys.argv[1])
+    out = trace(json.loads(spec_file.read_text()))
+    spec_file.with_suffix(".out.json").write_text(json.dumps(out))
