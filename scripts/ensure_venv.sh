@@ -30,5 +30,6 @@ echo "ensure_venv: pip install -e '.[test]' into .venv (first time for this pypr
 start=$SECONDS
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 .venv/bin/python -m pip install --disable-pip-version-check -q -e '.[test]'
-echo "$want" > "$stamp"
+# Through a new file: a worktree's .venv may hard-link the stamp of the .venv it was cloned from.
+echo "$want" > "$stamp.new" && mv "$stamp.new" "$stamp"
 echo "ensure_venv: installed in $((SECONDS - start)) s" >&2
