@@ -12,7 +12,8 @@ import logging
 import re
 import secrets
 import struct
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -81,8 +82,8 @@ def save_sharded(
     root = Location.of(directory)
     groups = list(_groups_of(model))
     tensors, layout = _rank_tensors(model, optimizer, groups)
-    checksums = {name: tensor_checksum(t) for name, t in tensors.items()}
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    checksums = _checksums(tensors)  # the header needs them: a first pass ([Note: streamed rank files])
+    nbytes = sum(t.nbytes for t in tensors.values())
 
     number: Optional[int] = None
     error: Optional[BaseException] = None
@@ -121,7 +122,7 @@ def save_sharded(
         confirmed = [1, *_words(size), *_words(int(digest, 16))]
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
         error = e
-    tensors.clear()  # this rank's copies: not needed past the write
+    tensors.clear()
     slots = [0] * (_CONFIRM * world)
     slots[rank * _CONFIRM : (rank + 1) * _CONFIRM] = confirmed
     agreed = sum_over_replicas(slots)  # every rank's file is in the store, its size and checksum known
@@ -160,22 +161,71 @@ def _unwords(words: Sequence[int]) -> int:
     return sum(w << (16 * i) for i, w in enumerate(words))
 
 
-def write_rank_file(f: Any, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> Tuple[int, str]:
-    """Write ``tensors`` as a safetensors file into ``f``, tensor by tensor (nothing but the
-    header is built in memory); returns the bytes written and their XXH3-64. Tensors are laid out
-    as ``safetensors`` lays them out: larger element sizes first, so that each starts aligned."""
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+# [Note: streamed rank files]
+# A rank file is written from the device a tensor at a time: each shard, optimizer state and
+# buffer is copied to the host, written and let go before the next is copied, one replica
+# thread at a time (host_memory.STAGING; on XLA:CPU the replicas share one host). The header
+# comes first and holds every tensor's checksum, so each tensor is copied twice: once to be
+# hashed, once to be written. A replica holds at most one tensor on the host (two copies of it
+# while torch_xla moves it); copying every tensor first, then writing, held this rank's whole
+# shard of the model and its optimizer state (3 M over all replicas, with AdamW), and about as
+# much again of transfer buffers not yet given back (issue 27: save_state 5.5 M above rest).
+
+
+class DeviceTensor(NamedTuple):
+    """A tensor of a rank file where it lives (its device), and the dtype it is written in."""
+
+    value: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.numel() * self.dtype.itemsize
+
+
+def host_copy(tensor: DeviceTensor) -> torch.Tensor:
+    """``tensor`` copied to the host, in the dtype written, contiguous."""
+    return tensor.value.detach().cpu().to(tensor.dtype).contiguous()
+
+
+@contextmanager
+def _on_host(tensor: DeviceTensor) -> Iterator[torch.Tensor]:
+    """``tensor``'s host copy, held by one replica at a time, for the block only."""
+    with host_memory.STAGING:
+        copy = host_copy(tensor)
+        try:
+            yield copy
+        finally:
+            del copy
+
+
+def _checksums(tensors: Dict[str, DeviceTensor]) -> Dict[str, str]:
+    checksums = {}
+    for name, tensor in tensors.items():
+        with _on_host(tensor) as copy:
+            checksums[name] = tensor_checksum(copy)
+    return checksums
+
+
+def write_rank_file(f: Any, tensors: Dict[str, DeviceTensor], metadata: Dict[str, str]) -> Tuple[int, str]:
+    """Write ``tensors`` as a safetensors file into ``f``, tensor by tensor from the device
+    ([Note: streamed rank files]); returns the bytes written and their XXH3-64. Tensors are laid
+    out as ``safetensors`` lays them out: larger element sizes first, so that each starts aligned."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
     header: Dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name in order:
         t = tensors[name]
-        size = t.numel() * t.element_size()
         header[name] = {
             "dtype": SAFETENSORS_DTYPES[t.dtype],
             "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
+            "data_offsets": [offset, offset + t.nbytes],
         }
-        offset += size
+        offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     digest = xxhash.xxh3_64()
@@ -185,13 +235,14 @@ def write_rank_file(f: Any, tensors: Dict[str, torch.Tensor], metadata: Dict[str
         digest.update(chunk)
         written += len(chunk)
     for name in order:
-        t = tensors[name].contiguous().reshape(-1)
-        if t.numel():
-            # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
-            data = memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
-            f.write(data)
-            digest.update(data)
-            written += len(data)
+        with _on_host(tensors[name]) as copy:
+            if copy.numel():
+                # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
+                data = memoryview(copy.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                f.write(data)
+                digest.update(data)
+                written += len(data)
+                del data
     return written, digest.hexdigest()
 
 
@@ -336,12 +387,12 @@ def _rank_tensors(
     model: XlaFullyShardedDataParallel,
     optimizer: Optional[torch.optim.Optimizer],
     groups: List[Tuple[str, str, ShardedParamGroup]],
-) -> Tuple[Dict[str, torch.Tensor], _Layout]:
-    """This rank's tensors, and its layout: (groups, buffers, optimizer) of ``RankMeta``."""
-    tensors: Dict[str, torch.Tensor] = {}
+) -> Tuple[Dict[str, DeviceTensor], _Layout]:
+    """This rank's tensors, on their device, and its layout: (groups, buffers, optimizer) of ``RankMeta``."""
+    tensors: Dict[str, DeviceTensor] = {}
     entries = []
     for prefix, key, group in groups:
-        tensors[f"{MODEL}/{key}"] = group.shard.detach().cpu().contiguous()
+        tensors[f"{MODEL}/{key}"] = DeviceTensor(group.shard, group.shard.dtype)
         entries.append(
             GroupEntry(
                 key=key,
@@ -354,9 +405,9 @@ def _rank_tensors(
         )
     buffers = {}
     for name, buf in model.named_buffers():
-        value = buf.detach().cpu().to(buffer_original_dtype(model.unit_state, name) or buf.dtype).contiguous()
-        tensors[f"{BUFFER}/{original_name(name)}"] = value
-        buffers[original_name(name)] = dtype_name(value.dtype)
+        dtype = buffer_original_dtype(model.unit_state, name) or buf.dtype
+        tensors[f"{BUFFER}/{original_name(name)}"] = DeviceTensor(buf, dtype)
+        buffers[original_name(name)] = dtype_name(dtype)
     optim_meta = _optimizer_tensors(optimizer, groups, tensors) if optimizer is not None else None
     return tensors, (tuple(entries), buffers, optim_meta)
 
@@ -364,7 +415,7 @@ def _rank_tensors(
 def _optimizer_tensors(
     optimizer: torch.optim.Optimizer,
     groups: List[Tuple[str, str, ShardedParamGroup]],
-    tensors: Dict[str, torch.Tensor],
+    tensors: Dict[str, DeviceTensor],
 ) -> Dict[str, Any]:
     key_of = {id(g.shard): key for _, key, g in groups}
     param_groups, scalars = [], {}
@@ -380,7 +431,7 @@ def _optimizer_tensors(
         for p in pg["params"]:
             for name, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"{OPTIM}/{key_of[id(p)]}/{name}"] = value.detach().cpu().contiguous()
+                    tensors[f"{OPTIM}/{key_of[id(p)]}/{name}"] = DeviceTensor(value, value.dtype)
                 elif _is_scalar(value):
                     scalars[f"{key_of[id(p)]}/{name}"] = value
     return {"type": type(optimizer).__name__, "param_groups": param_groups, "scalars": scalars}
