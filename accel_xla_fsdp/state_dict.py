@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
 from . import _xla
-from .param_group import ShardedParamGroup
+from .param_group import ParamSlot, ShardedParamGroup
 from .unit_state import UnitState
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -51,6 +52,29 @@ def kept_on_this_replica(kept: bool) -> Iterator[None]:
         yield
     finally:
         _saving.kept = previous
+
+
+@dataclass
+class StandIns:
+    """What ``state_dict()`` gave inside ``values_deferred``, by data pointer: each parameter's
+    stand-in (its names, numel and dtype) and the buffers (real values)."""
+
+    params: Dict[int, Tuple[Tuple[str, ...], int, torch.dtype]] = field(default_factory=dict)
+    buffers: Set[int] = field(default_factory=set)
+
+
+@contextmanager
+def values_deferred(stand_ins: StandIns) -> Iterator[None]:
+    """Inside, ``state_dict()`` of a root unit's module gathers nothing ([Note: saves written as
+    gathered]): the replica that keeps it (``kept_on_this_replica``) gets an empty host tensor
+    standing in for each parameter, never written to, recorded in ``stand_ins``;
+    ``stream_params`` gives the values afterwards."""
+    previous = getattr(_saving, "stand_ins", None)
+    _saving.stand_ins = stand_ins
+    try:
+        yield
+    finally:
+        _saving.stand_ins = previous
 
 
 def kept_here() -> bool:
@@ -93,9 +117,14 @@ def model_state_dict(root: UnitState, kept_here: bool = True) -> Dict[str, torch
     and the persistent buffers only (not, say, Llama's computed ``rotary_emb.inv_freq``); its
     dtypes: the parameters' (their shards') and the buffers' own. Accelerate's ``get_state_dict``
     and a stock ``save_pretrained`` read this. Every replica must call it (it gathers); with
-    ``kept_here`` False it gives an empty dict (see ``full_state_dict``).
+    ``kept_here`` False it gives an empty dict (see ``full_state_dict``). Inside
+    ``values_deferred`` it gathers nothing and its parameters are stand-ins.
     """
-    params = _streamed_params(root, kept_here)
+    stand_ins: Optional[StandIns] = getattr(_saving, "stand_ins", None)
+    if stand_ins is None:
+        params = _streamed_params(root, kept_here)
+    else:
+        params = _stand_in_params(root, stand_ins) if kept_here else []
     if not kept_here:
         return {}
     state = {name: value for names, value in params for name in names}
@@ -103,7 +132,9 @@ def model_state_dict(root: UnitState, kept_here: bool = True) -> Dict[str, torch
         for local, buf in module._buffers.items():
             if buf is not None and local not in module._non_persistent_buffers_set:
                 wrapped = join(name, local)
-                state[original_name(wrapped)] = _buffer_on_host(root, wrapped, buf)
+                state[original_name(wrapped)] = value = _buffer_on_host(root, wrapped, buf)
+                if stand_ins is not None:
+                    stand_ins.buffers.add(value.data_ptr())
     return state
 
 
@@ -133,10 +164,43 @@ def _streamed_params(root: UnitState, kept_here: bool) -> List[Tuple[Tuple[str, 
             hosts = [torch.empty(slot.shape, dtype=group.shard.dtype) if kept_here else None for slot in group.slots]
             for slot, host in zip(group.slots, hosts):
                 if host is not None:
-                    out.append((tuple(full_name(prefix, name) for name in (slot.name, *slot.aliases)), host))
-            pending.gather(group, hosts)
+                    out.append((_names(prefix, slot), host))
+            pending.gather(group, functools.partial(_place, group, hosts))
     pending.drain()
     return out
+
+
+def _names(prefix: str, slot: ParamSlot) -> Tuple[str, ...]:
+    return tuple(full_name(prefix, name) for name in (slot.name, *slot.aliases))
+
+
+def _stand_in_params(root: UnitState, stand_ins: StandIns) -> List[Tuple[Tuple[str, ...], torch.Tensor]]:
+    """An empty host tensor for each full parameter (``values_deferred``), with its names."""
+    out = []
+    for prefix, unit in root.named_units():
+        for group in unit.param_groups:
+            for slot in group.slots:
+                stand_in = torch.empty(slot.shape, dtype=group.shard.dtype)
+                stand_ins.params[stand_in.data_ptr()] = (_names(prefix, slot), slot.numel, stand_in.dtype)
+                out.append((_names(prefix, slot), stand_in))
+    return out
+
+
+# Where ``stream_params`` hands each piece: (the parameter's names, its first element in the
+# piece, the piece's elements in row-major order, on the CPU).
+PieceWriter = Callable[[Tuple[str, ...], int, torch.Tensor], None]
+
+
+def stream_params(root: UnitState, write: Optional[PieceWriter]) -> None:
+    """Gather every full parameter a piece at a time ([Note: streamed full state dicts]) and
+    hand each piece to ``write`` as it arrives; every replica must call it, those without a
+    writer only take part in the gathers. Nothing is kept: a replica holds one program's pieces."""
+    pending = _PendingPieces(write is not None)
+    for prefix, unit in root.named_units():
+        for group in unit.param_groups:
+            names = [_names(prefix, slot) for slot in group.slots]
+            pending.gather(group, functools.partial(_handed_over, group, names, write))
+    pending.drain()
 
 
 class _PendingPieces:
@@ -148,7 +212,9 @@ class _PendingPieces:
         self.bytes = 0
 
     @torch.no_grad()
-    def gather(self, group: ShardedParamGroup, hosts: List[Optional[torch.Tensor]]) -> None:
+    def gather(self, group: ShardedParamGroup, place: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Trace the gathers of ``group``'s rows; each piece goes to ``place(first row, rows,
+        gathered)`` once its program has run."""
         shard = group.shard.detach()
         world = group.sharding.world_size
         rows = shard.size(0)
@@ -161,7 +227,7 @@ class _PendingPieces:
             piece = shard[start:stop]
             if world > 1:
                 piece = _xla.all_gather(piece, group.sharding.groups, group.options.pin_layout_in_collective_ops)
-            self.pieces.append((piece, functools.partial(_place, group, hosts, start, stop - start)))
+            self.pieces.append((piece, functools.partial(place, start, stop - start)))
             self.bytes += (stop - start) * row_bytes
 
     def drain(self) -> None:
@@ -176,23 +242,49 @@ class _PendingPieces:
         self.bytes = 0
 
 
-def _place(
-    group: ShardedParamGroup, hosts: List[Optional[torch.Tensor]], start: int, count: int, gathered: torch.Tensor
-) -> None:
-    """Copy ``gathered`` (rows ``[start, start + count)`` of every replica's shard, replica after
-    replica) into the host tensors of the group's parameters. The padded full tensor is the
-    replicas' shards end to end along dim 0 (flattened for a flat group; a dim-0 group's one
-    parameter by rows), and each parameter spans ``[offset, offset + its length)`` of it."""
+def _slot_parts(
+    group: ShardedParamGroup, start: int, count: int, gathered: torch.Tensor
+) -> Iterator[Tuple[int, int, torch.Tensor]]:
+    """The parts of ``gathered`` (rows ``[start, start + count)`` of every replica's shard,
+    replica after replica) that belong to each parameter of the group: (its index, where the part
+    starts in it, the part). The padded full tensor is the replicas' shards end to end along dim 0
+    (flattened for a flat group, where a part starts at an element; a dim-0 group's one parameter
+    by rows, where it starts at a row), and each parameter spans ``[offset, offset + its length)``."""
     rows = group.shard.size(0)
     for rank in range(group.sharding.world_size):
         lo = rank * rows + start
         part = gathered[rank * count : (rank + 1) * count]
-        for slot, host in zip(group.slots, hosts):
-            assert host is not None  # placed only on the replica that keeps the state dict
-            target = host if group.spec.dim0 else host.view(-1)
-            begin, end = max(lo, slot.offset), min(lo + count, slot.offset + target.size(0))
+        for index, slot in enumerate(group.slots):
+            length = slot.shape[0] if group.spec.dim0 else slot.numel
+            begin, end = max(lo, slot.offset), min(lo + count, slot.offset + length)
             if begin < end:
-                target[begin - slot.offset : end - slot.offset] = part[begin - lo : end - lo]
+                yield index, begin - slot.offset, part[begin - lo : end - lo]
+
+
+def _place(
+    group: ShardedParamGroup, hosts: List[Optional[torch.Tensor]], start: int, count: int, gathered: torch.Tensor
+) -> None:
+    """Copy ``gathered`` into the host tensors of the group's parameters (``_slot_parts``)."""
+    for index, begin, part in _slot_parts(group, start, count, gathered):
+        host = hosts[index]
+        assert host is not None  # placed only on the replica that keeps the state dict
+        target = host if group.spec.dim0 else host.view(-1)
+        target[begin : begin + part.size(0)] = part
+
+
+def _handed_over(
+    group: ShardedParamGroup,
+    names: List[Tuple[str, ...]],
+    write: Optional[PieceWriter],
+    start: int,
+    count: int,
+    gathered: torch.Tensor,
+) -> None:
+    """Hand the parts of ``gathered`` to ``write``, each flattened, at its first element."""
+    assert write is not None  # handed over only on the replica that writes
+    for index, begin, part in _slot_parts(group, start, count, gathered):
+        row = group.slots[index].shape[1:].numel() if group.spec.dim0 else 1
+        write(names[index], begin * row, part.reshape(-1))
 
 
 def _buffer_on_host(root: UnitState, name: str, buf: torch.Tensor) -> torch.Tensor:

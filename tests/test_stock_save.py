@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import accelerate_train as script
 import pytest
@@ -211,15 +211,19 @@ class StreamRecord:
 
     def __init__(self) -> None:
         self.programs: Dict[int, List[Dict[str, int]]] = {}  # rank -> each program's figures
-        self.placed: Dict[int, int] = {}  # rank -> pieces copied into host tensors
+        self.placed: Dict[Tuple[int, str], int] = {}  # (rank, save) -> pieces copied into host tensors
+        self.written: Dict[Tuple[int, str], int] = {}  # (rank, save) -> pieces written into files' holes
+        self.save = ""  # the save being recorded
 
     def install(self, root_units: List[Any]) -> None:
         from accel_xla_fsdp import state_dict
+        from accel_xla_fsdp.hf_accelerate.unwrapped_save import GatheredFiles
 
-        record, drain, place = self, state_dict._PendingPieces.drain, state_dict._place
+        record, drain, place, write = self, state_dict._PendingPieces.drain, state_dict._place, GatheredFiles.write
         self.restore = lambda: (
             setattr(state_dict._PendingPieces, "drain", drain),
             setattr(state_dict, "_place", place),
+            setattr(GatheredFiles, "write", write),
             setattr(state_dict, "GATHER_BYTES", self.budget),
         )
         self.budget = state_dict.GATHER_BYTES
@@ -231,11 +235,18 @@ class StreamRecord:
             drain(pending)
 
         def recorded_place(*args: Any) -> None:
-            record.placed[_rank()] = record.placed.get(_rank(), 0) + 1
+            key = (_rank(), record.save)
+            record.placed[key] = record.placed.get(key, 0) + 1
             place(*args)
+
+        def recorded_write(files: Any, *args: Any) -> None:
+            key = (_rank(), record.save)
+            record.written[key] = record.written.get(key, 0) + 1
+            write(files, *args)
 
         state_dict._PendingPieces.drain = recorded_drain
         state_dict._place = recorded_place
+        GatheredFiles.write = recorded_write  # type: ignore[method-assign]
         state_dict.GATHER_BYTES = PIECE_BYTES
 
 
@@ -262,12 +273,18 @@ def streamed_stock_save(rank: int, world: int, out: str) -> Dict[str, Any]:
     if rank == 0:
         _RECORD.programs.clear()
         _RECORD.placed.clear()
+        _RECORD.written.clear()
+        _RECORD.save = "stock"
         _RECORD.install(units)
     agree("recorder installed")
     try:
         acc.unwrap_model(model).save_pretrained(
             f"{out}/stock", is_main_process=acc.is_main_process, save_function=acc.save
         )
+        agree("stock save done")
+        if rank == 0:
+            _RECORD.save = "save_model"
+        agree("recording save_model")
         acc.save_model(model, f"{out}/save_model")
     finally:
         agree("saved")
@@ -285,13 +302,14 @@ def streamed_stock_save(rank: int, world: int, out: str) -> Dict[str, Any]:
     agree("reference taken")
     return {
         "programs": list(_RECORD.programs.get(rank, [])),
-        "placed": _RECORD.placed.get(rank, 0),
+        "placed": {save: _RECORD.placed.get((rank, save), 0) for save in ("stock", "save_model")},
+        "written": {save: _RECORD.written.get((rank, save), 0) for save in ("stock", "save_model")},
         "reference": reference,
     }
 
 
 def test_stock_save_streams_and_writes_what_it_wrote_before(pools, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     results = pools[4].run(streamed_stock_save, 4, str(tmp_path))
     for rank, result in enumerate(results):
@@ -301,10 +319,12 @@ def test_stock_save_streams_and_writes_what_it_wrote_before(pools, tmp_path: Pat
         assert len(programs) >= 2 * 16, (rank, len(programs))
         assert max(p["bytes"] for p in programs) <= PIECE_BYTES, rank
         assert all(p["units"] == 0 for p in programs), rank
-        if rank == 0:
-            assert result["placed"] > 0
-        else:
-            assert result["placed"] == 0, f"replica {rank} copied full tensors to the host in a save"
+        # the stock save writes each piece into its file as it is gathered, and no replica
+        # holds a full tensor; save_model keeps the state dict on the main replica only
+        assert result["placed"]["stock"] == 0, f"replica {rank} copied full tensors to the host in the stock save"
+        assert (result["written"]["stock"] > 0) == (rank == 0), (rank, result["written"])
+        assert (result["placed"]["save_model"] > 0) == (rank == 0), (rank, result["placed"])
+        assert result["written"]["save_model"] == 0, rank
     reference = results[0]["reference"]
     for folder in ("stock", "save_model"):
         saved = load_file(str(tmp_path / folder / "model.safetensors"))
@@ -312,3 +332,9 @@ def test_stock_save_streams_and_writes_what_it_wrote_before(pools, tmp_path: Pat
         assert set(saved) == set(reference) - {"lm_head.weight"}, folder
         for name, value in saved.items():
             assert value.dtype == reference[name].dtype and torch.equal(value, reference[name]), f"{folder}: {name}"
+    # byte for byte what safetensors writes from the full state dict
+    save_file(
+        {name: reference[name] for name in saved}, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"}
+    )
+    written = (tmp_path / "stock" / "model.safetensors").read_bytes()
+    assert written == (tmp_path / "reference.safetensors").read_bytes()
