@@ -5,7 +5,8 @@ the transformers examples' stock save (``unwrap_model(model).save_pretrained(...
 save_function=accelerator.save)``), ``load_state``, one more step. ``MEMORY_BENCH_ENGINE=ddp``
 runs it on Accelerate's own ``Accelerator`` (for ``torchrun`` with gloo), else on
 accel_xla_fsdp's (under ``accelerate launch``). The main process appends a line of JSON to
-``MEMORY_BENCH_MARKS`` as each stage begins and ends (every replica between two barriers).
+``MEMORY_BENCH_MARKS`` as each stage begins and ends (every replica between two barriers; with
+XLA, after a sync: a stage's figure includes the programs it traced).
 
     accelerate launch --config_file CONFIG scripts/memory_stages.py PRETRAINED_DIR OUT_DIR
 """
@@ -36,6 +37,13 @@ def main() -> None:
     marks = os.environ["MEMORY_BENCH_MARKS"]
 
     def mark(stage: str, edge: str) -> None:
+        if edge == "end" and os.environ.get("MEMORY_BENCH_ENGINE") != "ddp":
+            # Run what the stage left pending: XLA runs a step's program only at the next sync,
+            # and the training loop ends without one, so the last step ran (and peaked) inside
+            # save_state's first collective, and the step after load never ran in its stage.
+            import torch_xla
+
+            torch_xla.sync()
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             with open(marks, "a") as f:

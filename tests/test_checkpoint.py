@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -153,6 +154,77 @@ def test_rank_files_are_plain_safetensors_with_their_layout(pools, tmp_path) -> 
     assert ckpt.read_param("encoder.layers.0.linear1.weight").shape == (
         full["encoder.layers.0.linear1.weight"].numel(),
     )
+
+
+class HostCopies:
+    """The host copies a save makes of device tensors, counted by wrapping ``sharded.host_copy``:
+    how many, and the most bytes of them alive at once in the process (every replica's)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.copies = self.live = self.most = self.largest = 0
+
+    def install(self) -> None:
+        real = sharded.host_copy
+        self.restore = lambda: setattr(sharded, "host_copy", real)
+
+        def counted(tensor: Any) -> torch.Tensor:
+            copy = real(tensor)
+            if copy.device == tensor.value.device:
+                return copy  # on the host already (AdamW's step): nothing copied
+            with self.lock:
+                self.copies += 1
+                self.live += copy.nbytes
+                self.most = max(self.most, self.live)
+                self.largest = max(self.largest, copy.nbytes)
+            weakref.finalize(copy, self.freed, copy.nbytes)
+            return copy
+
+        sharded.host_copy = counted
+
+    def freed(self, nbytes: int) -> None:
+        with self.lock:
+            self.live -= nbytes
+
+
+_COPIES = HostCopies()
+
+
+def save_counting_host_copies(rank: int, world: int, directory: str) -> Dict[str, int]:
+    from accel_xla_fsdp.xla_cpu.rendezvous import agree
+
+    model = wrap("llama", build("llama"), rank, world, LAYOUTS["flat"])
+    optimizer = adamw(model)
+    train(model, optimizer, "llama", rank, world, range(BEFORE))
+    agree("install the counter")
+    if rank == 0:
+        _COPIES.__init__()  # type: ignore[misc]
+        _COPIES.install()
+    agree("counter installed")
+    try:
+        save_sharded(model, optimizer, directory)
+    finally:
+        agree("saved")
+        if rank == 0:
+            _COPIES.restore()
+    return {"copies": _COPIES.copies, "most": _COPIES.most, "largest": _COPIES.largest}
+
+
+def test_a_save_holds_one_tensor_on_the_host_at_a_time(pools, tmp_path) -> None:
+    counted = pools[4].run(save_counting_host_copies, 4, str(tmp_path))[0]
+    record = record_of(tmp_path)
+    on_device, total = 0, 0
+    for name in record["files"]:
+        with safe_open(str(tmp_path / name), framework="pt") as f:
+            for key in f.keys():
+                if not key.endswith("/step"):
+                    on_device += 1
+                    total += f.get_tensor(key).nbytes
+    # every tensor copied twice (hashed, then written), one at a time over the 4 replicas: the
+    # most alive at once is the largest tensor, where copying first held all of them (total)
+    assert counted["copies"] == 2 * on_device
+    assert counted["most"] == counted["largest"]
+    assert counted["most"] < total / 8
 
 
 def save_twice_dying(rank: int, world: int, directory: str, where: str) -> None:

@@ -12,8 +12,7 @@ import logging
 import re
 import secrets
 import struct
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 import torch.nn as nn
@@ -49,6 +48,7 @@ from .format import (
 from .store import Location, PathLike
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ParamSource(Protocol):
@@ -192,23 +192,14 @@ def host_copy(tensor: DeviceTensor) -> torch.Tensor:
     return tensor.value.detach().cpu().to(tensor.dtype).contiguous()
 
 
-@contextmanager
-def _on_host(tensor: DeviceTensor) -> Iterator[torch.Tensor]:
-    """``tensor``'s host copy, held by one replica at a time, for the block only."""
+def _on_host(tensor: DeviceTensor, use: Callable[[torch.Tensor], T]) -> T:
+    """``use(host copy of tensor)``, one replica at a time; the copy is gone when it returns."""
     with host_memory.STAGING:
-        copy = host_copy(tensor)
-        try:
-            yield copy
-        finally:
-            del copy
+        return use(host_copy(tensor))
 
 
 def _checksums(tensors: Dict[str, DeviceTensor]) -> Dict[str, str]:
-    checksums = {}
-    for name, tensor in tensors.items():
-        with _on_host(tensor) as copy:
-            checksums[name] = tensor_checksum(copy)
-    return checksums
+    return {name: _on_host(tensor, tensor_checksum) for name, tensor in tensors.items()}
 
 
 def write_rank_file(f: Any, tensors: Dict[str, DeviceTensor], metadata: Dict[str, str]) -> Tuple[int, str]:
@@ -234,15 +225,18 @@ def write_rank_file(f: Any, tensors: Dict[str, DeviceTensor], metadata: Dict[str
         f.write(chunk)
         digest.update(chunk)
         written += len(chunk)
+
+    def write(copy: torch.Tensor) -> int:
+        if not copy.numel():
+            return 0
+        # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
+        data = memoryview(copy.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        f.write(data)
+        digest.update(data)
+        return len(data)
+
     for name in order:
-        with _on_host(tensors[name]) as copy:
-            if copy.numel():
-                # An ndarray is a buffer; numpy's types say so only for Python 3.12 and later.
-                data = memoryview(copy.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                f.write(data)
-                digest.update(data)
-                written += len(data)
-                del data
+        written += _on_host(tensors[name], write)
     return written, digest.hexdigest()
 
 
