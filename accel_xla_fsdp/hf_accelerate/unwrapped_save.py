@@ -83,6 +83,7 @@ def _stock_save(inner: Any, own: Any, arguments: Dict[str, Any]) -> bool:
         own is PreTrainedModel.save_pretrained
         and arguments.get("state_dict") is None
         and not arguments.get("distributed_checkpoint", False)
+        and not arguments.get("push_to_hub", False)  # it uploads the files before their holes are filled
         and not getattr(inner, "_hf_peft_config_loaded", False)
         and getattr(inner, "hf_quantizer", None) is None
     )
