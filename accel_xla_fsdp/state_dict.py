@@ -149,7 +149,9 @@ def model_state_dict(root: UnitState, kept_here: bool = True) -> Dict[str, torch
 # whole model, on the replica that writes it; nothing on the others) plus one program's
 # gathered pieces: on XLA:CPU, where device buffers are host memory too, GATHER_BYTES per
 # replica. Gathering whole units, every one at once, and copying them out afterwards, cost
-# about 2.9 full models per replica (issue 27).
+# about 2.9 full models per replica (issue 27). transformers' own save_pretrained need not keep
+# anything: each piece goes into its file as it arrives (stream_params; [Note: saves written as
+# gathered] in hf_accelerate/unwrapped_save.py).
 
 GATHER_BYTES = 16 * 2**20
 
@@ -231,7 +233,8 @@ class _PendingPieces:
             self.bytes += (stop - start) * row_bytes
 
     def drain(self) -> None:
-        """Run the gathers traced so far (every replica) and copy the pieces into host tensors."""
+        """Run the gathers traced so far (every replica) and hand each piece, on the host, to
+        where it goes (on a replica that keeps or writes the pieces)."""
         if not self.pieces:
             return
         _xla.sync()
