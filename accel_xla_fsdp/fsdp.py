@@ -323,6 +323,10 @@ def _named_modules_as_unwrapped(
     return ((".".join(part for part in name.split(".") if part != WRAPPED_MODULE), m) for name, m in named)
 
 
+# The rendezvous every replica enters to gather the whole model for its module's state_dict().
+WHOLE_MODEL_STATE_DICT = "state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)"
+
+
 def _whole_model_state_dict(
     unit_ref: "weakref.ref[XlaFullyShardedDataParallel]", module: nn.Module, state: Dict[str, Any], prefix: str, _: Any
 ) -> Optional[Dict[str, torch.Tensor]]:
@@ -335,7 +339,7 @@ def _whole_model_state_dict(
     unit = unit_ref()
     if prefix or unit is None or not unit.is_root:
         return None
-    agree("state_dict() of the whole model (unwrap_model(model).state_dict(), save_pretrained)")
+    agree(WHOLE_MODEL_STATE_DICT)
     return model_state_dict(unit.unit_state, kept_here())
 
 

@@ -37,8 +37,9 @@ from .. import host_memory
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.format import SAFETENSORS_DTYPES
 from ..checkpoint.sharded import sum_over_replicas
-from ..fsdp import XlaFullyShardedDataParallel
+from ..fsdp import WHOLE_MODEL_STATE_DICT, XlaFullyShardedDataParallel
 from ..state_dict import StandIns, kept_on_this_replica, stream_params, values_deferred
+from ..xla_cpu.rendezvous import agree
 
 # safetensors' order of dtypes in a file, first to last (larger elements first, so that every
 # tensor starts aligned; measured with safetensors 0.8): tensors go by it, then by name.
@@ -62,10 +63,12 @@ def route_save_pretrained(wrapper: XlaFullyShardedDataParallel) -> None:
         bound = signature.bind(inner, *args, **kwargs)
         writes = bool(bound.arguments.get("is_main_process", True))
         try:
-            if _stock_save(inner, own, bound.arguments) and sum_over_replicas([int(writes)])[0] == 1:
-                done, result = _written_as_gathered(wrapper, writes, lambda: own(inner, *args, **kwargs))
-                if done:
-                    return result
+            if _stock_save(inner, own, bound.arguments):
+                agree(WHOLE_MODEL_STATE_DICT)  # every replica is here (else a clear error), before a collective
+                if sum_over_replicas([int(writes)])[0] == 1:
+                    done, result = _written_as_gathered(wrapper, writes, lambda: own(inner, *args, **kwargs))
+                    if done:
+                        return result
             with kept_on_this_replica(writes):
                 return own(inner, *args, **kwargs)
         finally:
