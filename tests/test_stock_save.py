@@ -338,3 +338,56 @@ def test_stock_save_streams_and_writes_what_it_wrote_before(pools, tmp_path: Pat
     )
     written = (tmp_path / "stock" / "model.safetensors").read_bytes()
     assert written == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_files_laid_out_with_holes_are_what_safetensors_writes(tmp_path: Path) -> None:
+    """``GatheredFiles``: stand-ins become holes, filled piece by piece; buffers are written as
+    they are; the file is byte for byte safetensors' own, dtypes mixed (its order of them)."""
+    from safetensors.torch import save_file
+
+    from accel_xla_fsdp.hf_accelerate.unwrapped_save import GatheredFiles
+
+    values = {
+        "w.bf16": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+        "w.f32": torch.linspace(0, 1, 10),
+        "z.f16": torch.ones(5, dtype=torch.float16),
+        "a.i64": torch.arange(3),
+        "mask": torch.tensor([True, False, True]),
+        "f8a": torch.zeros(4, dtype=torch.float8_e5m2),
+        "f8b": torch.ones(4, dtype=torch.float8_e4m3fn),
+    }
+    params = {"w.bf16", "w.f32", "z.f16", "f8b"}
+    files = GatheredFiles()
+    laid_out = {}
+    for name, value in values.items():
+        if name in params:
+            stand_in = torch.empty_like(value)
+            files.stand_ins.params[stand_in.data_ptr()] = ((name,), value.numel(), value.dtype)
+            laid_out[name] = stand_in
+        else:
+            files.stand_ins.buffers.add(value.data_ptr())
+            laid_out[name] = value
+    files.lay_out(laid_out, tmp_path / "ours.safetensors", {"format": "pt"})
+    for name in sorted(params):
+        flat = values[name].reshape(-1)
+        for start in range(0, flat.numel(), 3):  # in pieces, out of order between parameters
+            files.write((name, "an.alias.not.in.the.file"), start, flat[start : start + 3])
+    files.finish()
+    assert files.error is None
+    save_file(values, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_a_file_with_a_tensor_made_from_stand_ins_is_saved_again_the_usual_way(tmp_path: Path) -> None:
+    """A tensor that is neither a stand-in nor a buffer (a weight conversion's) ends the laying
+    out: the save is then done again with the state dict gathered first (unwrapped_save.py)."""
+    from accel_xla_fsdp.hf_accelerate.unwrapped_save import GatheredFiles, _NotStandIns
+
+    files = GatheredFiles()
+    stand_in = torch.empty(4)
+    files.stand_ins.params[stand_in.data_ptr()] = (("w",), 4, torch.float32)
+    with pytest.raises(_NotStandIns):
+        files.lay_out({"w": stand_in, "w.converted": stand_in * 2}, tmp_path / "f.safetensors", None)
+    with pytest.raises(_NotStandIns):  # a view of a stand-in is not the stand-in
+        files.lay_out({"w": stand_in[:2]}, tmp_path / "g.safetensors", None)
+    files.close()

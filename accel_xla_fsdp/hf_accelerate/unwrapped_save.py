@@ -43,8 +43,7 @@ from ..xla_cpu.rendezvous import agree
 
 # safetensors' order of dtypes in a file, first to last (larger elements first, so that every
 # tensor starts aligned; measured with safetensors 0.8): tensors go by it, then by name.
-SAFETENSORS_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16")
-SAFETENSORS_ORDER += ("F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+SAFETENSORS_ORDER = "U64 I64 F64 F32 U32 I32 BF16 F16 U16 I16 F8_E4M3 F8_E5M2 I8 U8 BOOL".split()
 
 _writing = threading.local()  # .files: the GatheredFiles of this replica's save, while transformers lays it out
 
