@@ -422,16 +422,17 @@ def _native_reduce_scatter(
 # What the TPU compiler (libtpu 0.0.42.1; scripts/tpu_collective_probe.py, docs/tpu.md) keeps as a
 # reduce-scatter: a 1-D operand never (it becomes an all-reduce, twice the ring traffic, at every
 # size tried); the same elements as (-1, 128) rows when each chip's part is whole (16, 128) tiles
-# and not too many of them. It cuts a chip's part into the fewest equal pieces of at most L tiles
-# (L = 152 on 8 v5e chips, 228 on 4 v5e or v4 chips) and keeps the reduce-scatter only when the
-# part divides into them evenly: on 8 v5e chips parts of up to 152 tiles stay, 153-304 stay when
-# even, 305-456 when a multiple of 3, and every other part becomes an all-reduce plus a
-# collective-permute. The rule counts rows, not bytes: f32 and bf16 fail at the same tile counts
-# (so chunks of 12 MiB, as before, gave bf16 twice f32's rows per chip, and odd counts above
-# 152). So a gradient is reduce-scattered as rows in chunks of at most
-# TPU_REDUCE_SCATTER_CHUNK_TILES whole tiles of each chip's part, as equal as whole tiles allow;
-# each chunk takes the same rows of every replica's part, so the chunks' results, joined, are this
-# replica's shard. Shards are padded to whole tiles on a TPU (default_shard_size_multiple).
+# that split evenly into the compiler's pieces. It cuts a part of T tiles into k = ceil(T / L)
+# pieces (L = 152 on 8 v5e chips; 228 on 4 v5e, v4 or v5p chips) and keeps the reduce-scatter only
+# when k divides T: on 8 v5e chips, up to 152 tiles always, 153-304 when even, 305-456 when a
+# multiple of 3; any other part becomes an all-reduce and a collective-permute (1,103 probes,
+# none off the rule; v6e kept every part tried, and on v4-16 every one became an all-reduce:
+# not solved, docs/tpu.md). It counts rows, not bytes: f32 and bf16 fail at the same T, so chunks of
+# 12 MiB (before) gave bf16 twice f32's rows per chip and odd counts above 152. So a gradient is
+# reduce-scattered as rows in chunks of at most TPU_REDUCE_SCATTER_CHUNK_TILES whole tiles of each
+# chip's part (below every L measured: k = 1), as equal as whole tiles allow; each chunk takes the
+# same rows of every replica's part, so the chunks' results, joined, are this replica's shard.
+# Shards are padded to whole tiles on a TPU (default_shard_size_multiple).
 TPU_ROW = 128
 TPU_TILE_ROWS = 16
 TPU_SHARD_MULTIPLE = TPU_TILE_ROWS * TPU_ROW
