@@ -419,20 +419,24 @@ def _native_reduce_scatter(
 
 
 # [Note: TPU reduce-scatter shapes]
-# What the TPU compiler (libtpu 0.0.42.1, v4 and v5e; scripts/tpu_collective_probe.py, docs/tpu.md)
-# keeps as a reduce-scatter: a 1-D operand never (it becomes an all-reduce, twice the ring
-# traffic, at every size tried); the same elements as (-1, 128) rows mostly do, pinned or not,
-# when each chip's part is whole (16, 128) tiles (parts of 562 or 1689 rows became all-reduces),
-# and up to 15 MiB of operand on 4 chips; not always (on 4 chips 297 tiles per chip and 16 MiB
-# became all-reduces, 300 tiles and 15 MiB did not; on 8 chips 24 and 32 MiB stayed, 28 MiB did
-# not). So a flat gradient is reduce-scattered as rows, in chunks of at most
-# TPU_REDUCE_SCATTER_CHUNK_BYTES of whole tiles; each chunk takes the same rows of every
-# replica's part, so the chunks' results, joined, are this replica's shard. Shards are padded to
-# whole tiles on a TPU (default_shard_size_multiple).
+# What the TPU compiler (libtpu 0.0.42.1; scripts/tpu_collective_probe.py, docs/tpu.md) keeps as a
+# reduce-scatter: a 1-D operand never (it becomes an all-reduce, twice the ring traffic, at every
+# size tried); the same elements as (-1, 128) rows when each chip's part is whole (16, 128) tiles
+# that split evenly into the compiler's pieces. It cuts a part of T tiles into k = ceil(T / L)
+# pieces (L = 152 on 8 v5e chips; 228 on 4 v5e, v4 or v5p chips) and keeps the reduce-scatter only
+# when k divides T: on 8 v5e chips, up to 152 tiles always, 153-304 when even, 305-456 when a
+# multiple of 3; any other part becomes an all-reduce and a collective-permute (1,103 probes,
+# none off the rule; v6e kept every part tried, and on v4-16 every one became an all-reduce:
+# not solved, docs/tpu.md). It counts rows, not bytes: f32 and bf16 fail at the same T, so chunks of
+# 12 MiB (before) gave bf16 twice f32's rows per chip and odd counts above 152. So a gradient is
+# reduce-scattered as rows in chunks of at most TPU_REDUCE_SCATTER_CHUNK_TILES whole tiles of each
+# chip's part (below every L measured: k = 1), as equal as whole tiles allow; each chunk takes the
+# same rows of every replica's part, so the chunks' results, joined, are this replica's shard.
+# Shards are padded to whole tiles on a TPU (default_shard_size_multiple).
 TPU_ROW = 128
 TPU_TILE_ROWS = 16
 TPU_SHARD_MULTIPLE = TPU_TILE_ROWS * TPU_ROW
-TPU_REDUCE_SCATTER_CHUNK_BYTES = 12 << 20
+TPU_REDUCE_SCATTER_CHUNK_TILES = 128
 
 
 def _reduce_scatter_rows(
@@ -440,14 +444,14 @@ def _reduce_scatter_rows(
 ) -> torch.Tensor:
     """``flat``'s reduce-scatter as (-1, 128) rows (this replica's shard as rows)."""
     rows = flat.view(shard_count, -1, TPU_ROW)  # replica r's part of the result is rows[r]
-    rows_per_part = rows.size(1)
-    chunks = max(1, math.ceil(flat.numel() * flat.element_size() / TPU_REDUCE_SCATTER_CHUNK_BYTES))
+    tiles = math.ceil(rows.size(1) / TPU_TILE_ROWS)
+    chunks = math.ceil(tiles / TPU_REDUCE_SCATTER_CHUNK_TILES)
     if chunks == 1:
         return _native_reduce_scatter(flat.view(-1, TPU_ROW), shard_count, scale, groups, pin_layout)
-    step = math.ceil(rows_per_part / chunks / TPU_TILE_ROWS) * TPU_TILE_ROWS  # whole tiles per chunk
+    step = math.ceil(tiles / chunks) * TPU_TILE_ROWS  # whole tiles per chunk
     parts = [
         _native_reduce_scatter(rows[:, a : a + step].reshape(-1, TPU_ROW), shard_count, scale, groups, pin_layout)
-        for a in range(0, rows_per_part, step)
+        for a in range(0, rows.size(1), step)
     ]
     return torch.cat(parts)
 

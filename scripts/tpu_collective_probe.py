@@ -27,10 +27,13 @@ from accel_xla_fsdp import _xla, tpu_program
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def probe(form: str, numel: int, chips: int) -> torch.Tensor:
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def probe(form: str, numel: int, chips: int, dtype: torch.dtype) -> torch.Tensor:
     # device data, a parameter of the program as a shard or a gradient is: the compiler turned a
     # gather of a constant into an all-reduce where it gathered parameters as all-gathers
-    full = torch.full((numel,), 2.0).to(_xla.device())
+    full = torch.full((numel,), 2.0, dtype=dtype).to(_xla.device())
     if form in ("ag", "agpin"):
         return _xla.all_gather(full[: numel // chips].view(-1, 128), None, form == "agpin")
     tensor = full if form == "flat" else full.view(-1, 128)
@@ -45,19 +48,24 @@ def main() -> None:
     parser.add_argument("--mib", type=float, nargs="+", default=[4, 12, 16])
     parser.add_argument("--forms", nargs="+", default=["flat", "rows", "ag", "agpin"])
     parser.add_argument("--tiles", action="store_true")
+    parser.add_argument("--rows", type=int, nargs="+", help="each chip's part, in 128-element rows")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="f32")
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    size = dtype.itemsize
     out = Path(tempfile.mkdtemp())
     unit = 128 * (16 if args.tiles else 1) * args.chips
     paths = []
     device = str(torch_xla.device())
     with _xla.tracing_replica(0, args.chips, "TPU"):
         token = torch_xla._XLAC._get_all_reduce_token(device)
-        for mib in args.mib:
-            numel = int(mib * (1 << 20)) // 4 // unit * unit
+        sizes = {f"{r}rows": r * 128 * args.chips for r in args.rows or []}
+        sizes = sizes or {f"{mib}MiB": int(mib * (1 << 20)) // size // unit * unit for mib in args.mib}
+        for name, numel in sizes.items():
             for form in args.forms:
                 torch_xla._XLAC._set_all_reduce_token(device, token)
-                path = out / f"{form}_{mib}MiB.hlo"
-                tpu_program.export_step([probe(form, numel, args.chips)], None, path)
+                path = out / f"{form}_{args.dtype}_{name}.hlo"
+                tpu_program.export_step([probe(form, numel, args.chips, dtype)], None, path)
                 paths.append(str(path))
     topologies = [a for t in args.topology for a in ("--topology", t)]
     python = ROOT / ".tpu-venv" / "bin" / "python"
@@ -65,8 +73,9 @@ def main() -> None:
         [str(python), str(ROOT / "accel_xla_fsdp" / "tpu_compiler.py"), *paths, *topologies, "--json"],
         capture_output=True,
         text=True,
-        check=True,
     )
+    if done.returncode != 0:
+        raise SystemExit(f"tpu_compiler.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
     print("| probe | topology | compiled to |")
     print("| --- | --- | --- |")
     for line in done.stdout.splitlines():

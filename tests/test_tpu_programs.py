@@ -92,6 +92,19 @@ def test_collectives_at_the_floor(compiled, name: str, topology: str) -> None:
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("name", ["reduce_scatter_bf16", "reduce_scatter_f32"])
+def test_large_gradients_stay_reduce_scatters(compiled, name: str, topology: str) -> None:
+    """Gradients whose parts per chip are above the compiler's piece of 228 tiles (4 chips) and
+    not divisible into pieces ([Note: TPU reduce-scatter shapes]): chunked, each chunk at most
+    128 tiles per chip, every chunk stays a reduce-scatter and the traffic is at the floor (the
+    12 MiB chunks of before made each an all-reduce and a collective-permute)."""
+    report = compiled[name, topology]
+    kinds = {kind: c["count"] for kind, c in report["collectives"].items()}
+    assert kinds == {"reduce-scatter": 2 if name == "reduce_scatter_bf16" else 4}
+    assert report["ring_bytes"] == pytest.approx(report["floor"])
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_bf16_moves_half_the_bytes(compiled, topology: str) -> None:
     f32, bf16 = compiled["per_parameter", topology], compiled["bf16", topology]
     for kind in ("all-gather", "reduce-scatter"):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
+import torch_xla
 from models import LLAMA_CONFIG
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
@@ -73,6 +74,14 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }
+# name -> (dtype, whole (16, 128) tiles of each chip's part): single gradients' reduce-scatters
+# (reduce_scatter_sum, as FSDP issues them) that the old chunks of 12 MiB made all-reduces on 4
+# chips: the compiler splits a part above 228 tiles into equal pieces ([Note: TPU reduce-scatter
+# shapes]), and 229 tiles (one bf16 chunk of 3.8 MB) or 2 chunks of 229 (f32, 15 MB) do not split.
+REDUCE_SCATTERS: Dict[str, Tuple[torch.dtype, int]] = {
+    "reduce_scatter_bf16": (torch.bfloat16, 229),
+    "reduce_scatter_f32": (torch.float32, 458),
+}
 assert LlamaDecoderLayer and LlamaMLP  # imported before any tracing: transformers' imports are lazy
 
 
@@ -105,14 +114,28 @@ def export(name: str, out: Path) -> dict:
     return {"floor": floor, "aliased": exported.aliased}
 
 
+def export_reduce_scatter(name: str, out: Path, world: int, token) -> dict:
+    """One gradient's reduce-scatter; its floor is one reduce-scatter of it per the ring model."""
+    dtype, tiles = REDUCE_SCATTERS[name]
+    device = _xla.device()
+    torch_xla._XLAC._set_all_reduce_token(str(device), token)  # not chained to an earlier program
+    grad = torch.full((world * tiles * _xla.TPU_SHARD_MULTIPLE,), 2.0, dtype=dtype).to(device)
+    shard = _xla.reduce_scatter_sum(grad, world, 1.0 / world, None, pin_layout=False)
+    tpu_program.export_step([shard], None, out / f"{name}.hlo")
+    return {"floor": (world - 1) / world * grad.numel() * grad.element_size()}
+
+
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     manifest = {}
+    token = torch_xla._XLAC._get_all_reduce_token(str(_xla.device()))  # before any collective
     with _xla.tracing_replica(0, world, "TPU"):
         for name in CONFIGS:
             manifest[name] = export(name, out)
             print(name, manifest[name], flush=True)
+        for name in REDUCE_SCATTERS:
+            manifest[name] = export_reduce_scatter(name, out, world, token)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
