@@ -168,7 +168,7 @@ class UnitState:
             return
         with torch.no_grad():
             zero = None
-            sources = [g.shard for g in pending]
+            sources: List[torch.Tensor] = [g.shard for g in pending]
             if deps is not None:
                 sources = _xla.optimization_barrier_(deps + list(after_collectives), read_only=sources)
                 zero = _xla.ordering_zero(deps)
