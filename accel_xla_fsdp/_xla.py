@@ -307,13 +307,29 @@ def write_in_donation_order(
     """
     order: List[torch.Tensor] = []
     placed: set = set()
-    while True:  # the donated tensors in the post order of [earlier, *order]: the sync's parameter order
-        ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node([*earlier, *order])
+    rest = list(donated.values())
+
+    def number(roots: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The donated tensors that the graphs of ``roots`` number first, in the sync's order."""
+        ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(list(roots))
         new = [donated[i] for i in ids if i in donated and id(donated[i]) not in placed]
-        if not new:
-            break
-        order += new
         placed.update(id(t) for t in new)
+        order.extend(new)
+        return new
+
+    new = number(earlier)
+    while new or len(order) < len(rest):
+        if new:
+            new = number(new)
+            continue
+        # The earlier outputs and those placed so far number no more donated tensors (none at
+        # all when an earlier sync computed the loss): the next one is placed as it comes, its
+        # own update's graph numbering it first.
+        following = next(t for t in rest if id(t) not in placed)
+        new = number([following])
+        if id(following) not in placed:  # not read by its own update: placed all the same
+            placed.add(id(following))
+            order.append(following)
     order += [t for t in written if id(t) not in placed]
     with torch.no_grad():
         for t in order:
