@@ -21,6 +21,7 @@ from .param_group import ShardedParamGroup, adopt_gathered
 
 def gather_groups(
     groups: Sequence[ShardedParamGroup],
+    shards: Sequence[torch.Tensor],
     coalesce: bool,
     barrier: bool,
     zero: Optional[torch.Tensor],
@@ -34,7 +35,7 @@ def gather_groups(
     [Note: optimization barriers]); the others follow it, as XLA orders collectives among
     themselves. ``dtype``: see ``ShardedParamGroup.gather_input``.
     """
-    inputs = [g.gather_input(dtype) for g in groups]
+    inputs = [g.gather_input(shard, dtype) for g, shard in zip(groups, shards)]
     inputs[0] = _xla.order_after(inputs[0], zero)
     sharding, options = groups[0].sharding, groups[0].options
     pin = options.pin_layout_in_collective_ops
@@ -75,7 +76,7 @@ class GradBucket:
         if full is None:
             return []
         if barrier:
-            _xla.optimization_barrier_([group.shard, full])  # see [Note: optimization barriers]
+            _xla.optimization_barrier_([full], read_only=[group.shard])  # see [Note: optimization barriers]
         self._groups.append(group)
         self._grads.append(full)
         self._bytes += full.numel() * full.element_size()

@@ -144,15 +144,15 @@ class ShardedParamGroup:
 
     # -- gather and free --------------------------------------------------------------------
 
-    def gather_input(self, dtype: Optional[torch.dtype]) -> torch.Tensor:
-        """This replica's shard as the all-gather takes it (``collectives.gather_groups``, under
-        ``no_grad``: no detach to trace).
+    def gather_input(self, shard: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """This replica's ``shard`` (``self.shard`` or its barriered stand-in) as the all-gather
+        takes it (``collectives.gather_groups``, under ``no_grad``: no detach to trace).
 
         In ``dtype`` (default: the compute dtype; ``summon_full_params`` gathers in the shard's
         own), and on a TPU's flat layout in torch_xla's (-1, 128) tiles, which gather faster than
         a long vector.
         """
-        shard = _in_dtype(self.shard, dtype or self.options.compute_dtype)
+        shard = _in_dtype(shard, dtype or self.options.compute_dtype)
         if self._tiled:
             return shard.view(-1, self.options.shard_size_multiple)
         return shard

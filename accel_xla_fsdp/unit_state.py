@@ -168,15 +168,16 @@ class UnitState:
             return
         with torch.no_grad():
             zero = None
+            sources: List[torch.Tensor] = [g.shard for g in pending]
             if deps is not None:
-                _xla.optimization_barrier_(self._shards() + deps + list(after_collectives))
+                sources = _xla.optimization_barrier_(deps + list(after_collectives), read_only=sources)
                 zero = _xla.ordering_zero(deps)
-            gather_groups(pending, self.options.coalesce_all_gather_ops, deps is not None, zero, dtype)
+            gather_groups(pending, sources, self.options.coalesce_all_gather_ops, deps is not None, zero, dtype)
 
     def free_params(self, deps: Optional[List[torch.Tensor]]) -> None:
         free_groups(self.param_groups)
         if deps is not None:
-            _xla.optimization_barrier_(self._shards() + deps)
+            _xla.optimization_barrier_(deps, read_only=self._shards())
 
     def _shards(self) -> List[torch.Tensor]:
         return [g.shard for g in self.param_groups]
@@ -358,7 +359,7 @@ class RootState:
         if root.options.optimization_barrier_in_backward:
             shards: List[torch.Tensor] = [p for p in root.wrapper.parameters() if p.grad is not None]
             grads = [p.grad for p in shards if p.grad is not None]
-            _xla.optimization_barrier_(shards + grads + self.backward_deps + self.reduced_grads)
+            _xla.optimization_barrier_(grads + self.backward_deps + self.reduced_grads, read_only=shards)
         self.backward_deps.clear()
         self.reduced_grads.clear()
         self.finalize_queued = False

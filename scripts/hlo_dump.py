@@ -54,6 +54,8 @@ _ENTRY_RESULT = re.compile(r"^ENTRY [^\n]*-> (.*) \{$", re.M)
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\n((?:\s{4,}\S+: \d+ bytes.*\n)*)", re.M)
 _PEAK_VALUE = re.compile(r"^\s*(?P<name>[^\s{]+)\{[^}]*\}: (?P<bytes>\d+) bytes", re.M)
 _MODULE_ID = re.compile(r"^module_(\d+)\.")
+_PARAMETER = re.compile(r"^\s*%?([^\s=]+) = \S+ parameter\(", re.M)
+_COPY_OPERAND = re.compile(r" copy\(%?([^\s,)]+)\)")
 
 _COLLECTIVES = {  # opcode -> the collective it completes
     "all-gather": "all-gather",
@@ -94,6 +96,9 @@ class ProgramReport:
     total_bytes: int  # "Total bytes used": parameters, outputs and the peak of temporaries
     peak_gathered_bytes: int  # all-gather results live at the peak of the schedule
     output_bytes: int  # the program's results: every value still referenced when it was cut
+    # Copies of the entry's parameters: a donated buffer that XLA gave to another tensor's output
+    # ([Note: donation order], accel_xla_fsdp/_xla.py).
+    parameter_copies: int
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ def parse_dump(directory: Path, module: Optional[str] = None) -> ProgramReport:
         total_bytes=_total_bytes(assignment),
         peak_gathered_bytes=sum(size for name, size in _peak_values(assignment) if name in gathered),
         output_bytes=shape_bytes(_ENTRY_RESULT.search(optimized_text)[1]),
+        parameter_copies=_parameter_copies(optimized_text),
     )
 
 
@@ -185,6 +191,12 @@ def _instructions(hlo: str) -> List[_Instruction]:
 def _collectives(instructions: List[_Instruction], kind: str) -> Collectives:
     shapes = [i.shape for i in instructions if _COLLECTIVES.get(i.opcode) == kind]
     return Collectives(len(shapes), sum(shape_bytes(s) for s in shapes))
+
+
+def _parameter_copies(optimized_text: str) -> int:
+    entry = optimized_text[optimized_text.index("\nENTRY ") :]
+    params = set(_PARAMETER.findall(entry))
+    return sum(operand in params for operand in _COPY_OPERAND.findall(entry))
 
 
 def _total_bytes(assignment: str) -> int:
@@ -241,9 +253,16 @@ class StepDumper:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def report(self, builder: StepBuilder) -> StepReport:
-        """Build ``builder``'s model on every device, run one training step, report its program."""
-        figures = self._pool.run(_train_one_step, builder, str(self.dump_dir))
+    def report(self, builder: StepBuilder, steady: bool = False, donation_order: bool = False) -> StepReport:
+        """Build ``builder``'s model on every device, run one training step, report its program.
+
+        ``steady``: a first step runs before, unreported, so that the optimizer's state is there
+        and the step updates it in place, as every step after the first does.
+        ``donation_order``: after ``optimizer.step()``, the step's outputs are written again in the
+        order of their donated buffers, as our Accelerate optimizer does
+        (``_xla.write_in_donation_order``).
+        """
+        figures = self._pool.run(_train_one_step, builder, str(self.dump_dir), steady, donation_order)
         programs = sorted(figures[-1].programs)
         if len(programs) != 1:
             raise ValueError(
@@ -263,15 +282,27 @@ class StepDumper:
         )
 
 
-def _train_one_step(rank: int, builder: StepBuilder, dump_dir: str) -> _ReplicaFigures:
+def _train_one_step(
+    rank: int, builder: StepBuilder, dump_dir: str, steady: bool, donation_order: bool
+) -> _ReplicaFigures:
     step = builder(rank, _xla.world_size())
+    if steady:
+        step.loss().backward()
+        step.optimizer.step()
+        step.optimizer.zero_grad()
     # Replicas take turns at every sync and compile there in rank order: once the last one is past
     # a sync, every program up to it is compiled and dumped, and none after it.
     last = rank == _xla.world_size() - 1
     before = _sync_and_list(Path(dump_dir), last)
-    step.loss().backward()
+    loss = step.loss()
+    loss.backward()
     grad_bytes = sum(_bytes(p.grad) for p in step.model.parameters() if p.grad is not None)
+    donated = _xla.tensor_ids(_updated_tensors(step))
     step.optimizer.step()
+    if donation_order:  # the loss is then the sync's first output, as in a script that logs it
+        _xla.write_in_donation_order([loss], donated, _updated_tensors(step))
+    else:
+        del loss
     step.optimizer.zero_grad()
     after = _sync_and_list(Path(dump_dir), last)
     return _ReplicaFigures(
@@ -288,18 +319,26 @@ def _sync_and_list(dump_dir: Path, last: bool) -> Set[str]:
     return modules_in(dump_dir) if last else set()
 
 
+def _updated_tensors(step: TrainingStep) -> List[torch.Tensor]:
+    return [*step.model.parameters(), *_device_state(step.optimizer)]
+
+
+def _device_state(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Device tensors only: Adam's step count, for one, stays on the CPU."""
+    return [
+        t
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and _xla.is_xla_device(t.device)
+    ]
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Device tensors only: Adam's step count, for one, stays on the CPU."""
-    return sum(
-        _bytes(t)
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and _xla.is_xla_device(t.device)
-    )
+    return sum(_bytes(t) for t in _device_state(optimizer))
 
 
 def _units(model: nn.Module) -> List[XlaFullyShardedDataParallel]:

@@ -160,6 +160,12 @@ class Accelerator(accelerate.Accelerator):
             model = self.shard_model(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        for optimizer in self._optimizers:
+            if isinstance(optimizer, XlaFsdpOptimizer):
+                optimizer.loss = loss  # the first output of the step's sync ([Note: donation order])
+        super().backward(loss, **kwargs)
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
         if isinstance(optimizer, XlaFsdpOptimizer):
             return optimizer

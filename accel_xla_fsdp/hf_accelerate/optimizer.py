@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from accelerate.optimizer import AcceleratedOptimizer
 
+from .. import _xla
 from ..construction import FlatShardKey
 
 
@@ -97,13 +98,35 @@ def _difference(a: Dict, b: Dict) -> str:
 
 
 class XlaFsdpOptimizer(AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper without its XLA all-reduce of gradients.
+    """Accelerate's optimizer wrapper without its XLA all-reduce of gradients, whose update is
+    in place.
 
     On XLA, ``AcceleratedOptimizer.step`` all-reduces every gradient before stepping. Under FSDP
     each replica's gradients are already the reduced gradients of its own shards: averaging them
     with other replicas' (different) shards would be wrong, so that reduction is marked done.
+
+    After an update, the parameters and the optimizer state are written once more in the order
+    in which the step's sync numbers their donated buffers, from the loss that
+    ``Accelerator.backward`` saw on (``_xla.write_in_donation_order``): else the compiler copies
+    most of them for the whole step.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss: Optional[torch.Tensor] = None  # the step's loss (Accelerator.backward)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         self.gradient_state.is_xla_gradients_synced = True
-        return super().step(closure)
+        loss, self.loss = self.loss, None
+        if loss is None or not self.gradient_state.sync_gradients:
+            return super().step(closure)
+        donated = _xla.tensor_ids(self._updated_tensors())
+        result = super().step(closure)
+        _xla.write_in_donation_order([loss], donated, self._updated_tensors())
+        return result
+
+    def _updated_tensors(self) -> List[torch.Tensor]:
+        """What a step writes on the device: the parameters and the optimizer's tensor state."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = [t for p in params for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        return [t for t in params + state if _xla.is_xla_device(t.device)]
