@@ -46,12 +46,8 @@ def kept_on_this_replica(kept: bool) -> Iterator[None]:
     """Inside, ``state_dict()`` of a root unit's module (the unwrapped model's, as a save asks
     it) gives the full model on this replica only if ``kept``, else an empty dict, after taking
     part in the gathers: for saves, where one replica writes and the others need nothing."""
-    previous = getattr(_saving, "kept", None)
-    _saving.kept = kept
-    try:
+    with _saving_as(kept=kept):
         yield
-    finally:
-        _saving.kept = previous
 
 
 @dataclass
@@ -69,12 +65,20 @@ def values_deferred(stand_ins: StandIns) -> Iterator[None]:
     gathered]): the replica that keeps it (``kept_on_this_replica``) gets an empty host tensor
     standing in for each parameter, never written to, recorded in ``stand_ins``;
     ``stream_params`` gives the values afterwards."""
-    previous = getattr(_saving, "stand_ins", None)
-    _saving.stand_ins = stand_ins
+    with _saving_as(stand_ins=stand_ins):
+        yield
+
+
+@contextmanager
+def _saving_as(**setting: Any) -> Iterator[None]:
+    """This thread's save setting (``_saving``), restored on the way out (saves may nest)."""
+    ((name, value),) = setting.items()
+    previous = getattr(_saving, name, None)
+    setattr(_saving, name, value)
     try:
         yield
     finally:
-        _saving.stand_ins = previous
+        setattr(_saving, name, previous)
 
 
 def kept_here() -> bool:
