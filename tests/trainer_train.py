@@ -111,7 +111,17 @@ def main() -> None:
     resume = True if cli.resume == "last" else cli.resume
     trainer.train(resume_from_checkpoint=resume)
     final = trainer.evaluate()
+    streamed = []
     if cli.save_model:
+        if os.environ.get("USE_TORCH_XLA") != "0":  # whether the whole model was written as it was gathered
+            from accel_xla_fsdp.hf_accelerate import unwrapped_save
+
+            def recorded(*args, _original=unwrapped_save._written_as_gathered):
+                done, result = _original(*args)
+                streamed.append(done)
+                return done, result
+
+            unwrapped_save._written_as_gathered = recorded
         trainer.save_model(cli.save_model)
     if trainer.is_world_process_zero():
         plugin = getattr(trainer.accelerator, "xla_fsdp_plugin", None)
@@ -124,6 +134,7 @@ def main() -> None:
             "world": trainer.args.world_size,
             "flatten_parameters": getattr(plugin, "flatten_parameters", None),
             "checkpointed": checkpointed,
+            "save_model_streamed": streamed,
         }
         Path(cli.out).write_text(json.dumps(record))
 

@@ -178,6 +178,8 @@ class XlaFsdpTrainerMixin(_TrainerBase):
         if model is None:
             return super().save_model(output_dir, _internal_call)
         if not _internal_call:
+            if self._saves_as_gathered():
+                return self._save_as_gathered(output_dir or self._output_dir())
             try:
                 with kept_on_this_replica(self.args.should_save):
                     return super().save_model(output_dir, _internal_call)
@@ -193,6 +195,32 @@ class XlaFsdpTrainerMixin(_TrainerBase):
                 config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+        agree("save_model")
+
+    def _saves_as_gathered(self) -> bool:
+        """Whether the whole model can be written as it is gathered: a transformers model (not a
+        PEFT one, whose adapters are small), and no upload to the Hub (it sends the files first)."""
+        model = self._sharded_model()
+        inner = model.module if model is not None else None
+        return (
+            isinstance(inner, transformers.PreTrainedModel)
+            and not getattr(inner, "_hf_peft_config_loaded", False)
+            and not self.args.push_to_hub
+        )
+
+    def _save_as_gathered(self, output_dir: str) -> None:
+        """What the Trainer's XLA save writes (``save_tpu_checkpoint``: the model, ``training_args.bin``,
+        the tokenizer), but with no state dict handed to ``save_pretrained``: the stock save then
+        writes each piece of the model as it is gathered ([Note: saves written as gathered]) where
+        the Trainer's would hold the whole model on the writing replica (issue 27)."""
+        model = self._sharded_model()
+        assert model is not None
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        model.module.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        if self.processing_class is not None and self.args.should_save:
+            self.processing_class.save_pretrained(output_dir)
         agree("save_model")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
