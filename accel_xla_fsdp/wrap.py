@@ -66,9 +66,8 @@ class TransformerBlockPolicy:
     Classes may be given as types or class names.
     """
 
-    def __init__(self, block_classes: Optional[BlockClasses] = None, wrap_embeddings: bool = True) -> None:
+    def __init__(self, block_classes: Optional[BlockClasses] = None) -> None:
         self.block_classes = None if block_classes is None else tuple(block_classes)
-        self.wrap_embeddings = wrap_embeddings
 
     def for_model(self, model: nn.Module) -> Policy:
         named = self.block_classes is not None
@@ -87,16 +86,14 @@ class TransformerBlockPolicy:
                 f"no module of class {sorted(missing)} in {type(model).__name__}; name block classes "
                 f"that it has: {present}"
             )
-        policy: Policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
-        if not named:
-            # Blocks from _no_split_modules that share a parameter with the rest of the model (BERT's
-            # BertEmbeddings, whose word embedding is the tied MLM decoder) stay in the outer unit, as
-            # GPT-2's embeddings do: a tied parameter must live in one unit.
-            tied = {id(m) for m in model.modules() if type(m) in classes and _shares_parameters_outside(m, model)}
-            if tied:
-                policy = functools.partial(_all_but, policy=policy, kept=frozenset(tied))
-        embeddings = _untied_embeddings(model) if self.wrap_embeddings else frozenset()
-        return functools.partial(_also, policy=policy, extra=embeddings) if embeddings else policy
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+        if named:
+            return policy
+        # Blocks from _no_split_modules that share a parameter with the rest of the model (BERT's
+        # BertEmbeddings, whose word embedding is the tied MLM decoder) stay in the outer unit, as
+        # GPT-2's embeddings do: a tied parameter must live in one unit.
+        tied = {id(m) for m in model.modules() if type(m) in classes and _shares_parameters_outside(m, model)}
+        return functools.partial(_all_but, policy=policy, kept=frozenset(tied)) if tied else policy
 
     def __call__(self, module: nn.Module, recurse: bool, unwrapped_params: int) -> bool:
         raise TypeError("TransformerBlockPolicy must be bound to its model: pass it as auto_wrap_policy")
@@ -107,35 +104,6 @@ def _all_but(module: nn.Module, recurse: bool, unwrapped_params: int, policy: Po
     if not recurse and id(module) in kept:
         return False
     return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params)
-
-
-def _also(module: nn.Module, recurse: bool, unwrapped_params: int, policy: Policy, extra: frozenset) -> bool:
-    """``policy``, and the modules in ``extra`` (by id) wrapped too."""
-    if not recurse and id(module) in extra:
-        return True
-    return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params)
-
-
-def _untied_embeddings(model: nn.Module) -> frozenset:
-    """Ids of the model's input and output embeddings (``transformers``' ``get_input_embeddings``,
-    ``get_output_embeddings``) that share no parameter with the rest of the model.
-
-    As units of their own they are gathered only while used: the input embedding for the forward
-    alone (its backward needs the ids, not the weight), lm_head from its forward to its backward,
-    whose gradient is then reduce-scattered at once. In the outer unit both would stay gathered,
-    with their full gradients, for the whole backward (the largest buffers of a training step
-    at a vocabulary of 32000; issues 25 and 27). Tied ones stay in the outer unit: a tied parameter
-    must live in one unit.
-    """
-    found = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            module = getattr(model, getter)() if hasattr(model, getter) else None
-        except (NotImplementedError, AttributeError):
-            module = None
-        if isinstance(module, nn.Module) and module is not model and not _shares_parameters_outside(module, model):
-            found.append(id(module))
-    return frozenset(found)
 
 
 def _shares_parameters_outside(block: nn.Module, model: nn.Module) -> bool:

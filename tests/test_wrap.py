@@ -316,28 +316,9 @@ def test_transformer_block_policy_defaults_to_no_split_modules() -> None:
     bound = resolve_policy(policy, model)
     assert bound(module=layers[0], recurse=False, unwrapped_params=0) is True
     assert bound(module=model.model.norm, recurse=False, unwrapped_params=10**9) is False
-    expected = [id(m) for m in (model.model.embed_tokens, *layers, model.lm_head)]
     log = _wrap(model, bound)
-    # innermost first, in module order; the untied embeddings are units of their own too
-    assert [id(m) for m in log] == expected
-    assert set(_recorders(model)) == {"model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"}
-
-
-def test_transformer_block_policy_keeps_tied_embeddings_in_the_outer_unit() -> None:
-    with accel_xla_fsdp.seeded(0):
-        model = LlamaForCausalLM(LlamaConfig(**{**tiny_llama_config().to_dict(), "tie_word_embeddings": True}))
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    _wrap(model, resolve_policy(transformer_block_policy(), model))
+    assert [id(m) for m in log] == [id(layer) for layer in layers]
     assert set(_recorders(model)) == {"model.layers.0", "model.layers.1"}
-
-
-def test_transformer_block_policy_wraps_embeddings_only_when_asked() -> None:
-    model = tiny_llama()
-    _wrap(model, resolve_policy(TransformerBlockPolicy(wrap_embeddings=False), model))
-    assert set(_recorders(model)) == {"model.layers.0", "model.layers.1"}
-    named = tiny_llama()
-    _wrap(named, resolve_policy(transformer_block_policy(["LlamaDecoderLayer"]), named))
-    assert set(_recorders(named)) == {"model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"}
 
 
 @pytest.mark.parametrize(
@@ -365,7 +346,7 @@ def test_transformer_block_policy_wraps_embeddings_only_when_asked() -> None:
 def test_transformer_block_policy_with_explicit_classes(classes, expected) -> None:
     model = tiny_llama()
     _wrap(model, resolve_policy(transformer_block_policy(classes), model))
-    assert set(_recorders(model)) == expected | {"model.embed_tokens", "lm_head"}
+    assert set(_recorders(model)) == expected
 
 
 def test_transformer_block_policy_without_no_split_modules_asks_for_classes() -> None:
@@ -426,10 +407,9 @@ def test_block_policy_makes_each_decoder_layer_a_unit_and_trains(pools) -> None:
     for res in results:
         assert res["layer_types"] == ["XlaFullyShardedDataParallel"] * 2
         assert res["inner_types"] == ["LlamaDecoderLayer"] * 2
-        assert len(res["units"]) == 5  # the root, the untied embeddings and one per decoder layer
+        assert len(res["units"]) == 3  # the root and one per decoder layer
         assert res["units"][0] == ""
-        assert sum("layers.0" in u or "layers.1" in u for u in res["units"][1:]) == 2
-        assert sum("embed_tokens" in u or "lm_head" in u for u in res["units"][1:]) == 2
+        assert all("layers.0" in u or "layers.1" in u for u in res["units"][1:])
         assert res["grads_present"] and all(res["grads_present"])
         assert res["grads_finite"] and res["grad_abs_sum"] > 0
         torch.testing.assert_close(res["loss"], expected_loss, rtol=1e-4, atol=1e-4)
