@@ -218,7 +218,8 @@ class XlaFsdpTrainerMixin(_TrainerBase):
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        model.module.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        inner: Any = model.module  # a PreTrainedModel (_saves_as_gathered), its save_pretrained routed
+        inner.save_pretrained(output_dir, is_main_process=self.args.should_save)
         if self.processing_class is not None and self.args.should_save:
             self.processing_class.save_pretrained(output_dir)
         agree("save_model")
