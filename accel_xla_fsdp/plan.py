@@ -547,10 +547,11 @@ def format_plan(r: Dict[str, Any]) -> str:
         ("temp", lambda e: e["temp"]),
         ("peak", lambda e: e["peak"]),
     ]
-    header = "".join(f"{label:>{max(12, len(label)) + 2}}" for label, _ in columns) if len(columns) > 1 else ""
+    widths = [max(12, len(label)) + 2 for label, _ in columns] if len(columns) > 1 else [12]
+    header = "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)) if len(columns) > 1 else ""
     lines += ["", f"{'per chip, as the TPU compiler plans it:':<51}{header}".rstrip()]
     for name, figure in rows:
-        cells = "".join(f"{gib(figure(e)):>{max(12, len(label)) + 2}}" for label, e in columns)
+        cells = "".join(f"{gib(figure(e)):>{w}}" for (_, e), w in zip(columns, widths))
         lines.append(f"  {name:<49}{cells}")
     shares = ", ".join(f"{e['peak'] / r['hbm']:.0%}" for _, e in columns)
     lines[-1] += f"  of {gib(r['hbm'])} HBM ({shares})"
