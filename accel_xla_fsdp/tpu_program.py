@@ -26,7 +26,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 import torch_xla
@@ -163,7 +163,7 @@ def export_spmd_training_step(
     # wrapper's own ``module.to("xla")`` would untie them (each module gets its own copy).
     model = model.to(torch_xla.device())
     if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
+        model.tie_weights()  # type: ignore[operator]  # a PreTrainedModel
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = {type(m) for m in model.modules() if type(m).__name__ in names}
 
@@ -171,7 +171,7 @@ def export_spmd_training_step(
         logits = output if isinstance(output, torch.Tensor) else output.logits  # type: ignore[attr-defined]
         xs.mark_sharding(logits, mesh, ("fsdp",) + (None,) * (logits.dim() - 1))
 
-    def wrap_block(m: torch.nn.Module, *args: object, **kwargs: object) -> SpmdFsdp:
+    def wrap_block(m: torch.nn.Module, *args: Any, **kwargs: Any) -> SpmdFsdp:
         return SpmdFsdp(checkpoint_module(m) if checkpoint else m, *args, **kwargs)
 
     wrapped = SpmdFsdp(

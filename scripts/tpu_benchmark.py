@@ -13,7 +13,8 @@ with its state present) of issue 25's Llama four ways, compiles each with libtpu
   all-reduces, which torch_xla skips for one replica);
 * **torch_xla SPMD FSDPv2**: ``SpmdFullyShardedDataParallel`` over a mesh of the chips (XLA:CPU
   devices here, one per chip), batch sharded along it, each decoder layer wrapped, as in
-  ``scripts/benchmark.py``; its program is the whole SPMD program, which the compiler partitions.
+  ``scripts/benchmark.py``; its program is the whole SPMD program, which the compiler partitions
+  (``tpu_program.export_spmd_training_step``, as ``accel-xla-fsdp plan --compare spmd`` traces it).
 
 bf16 compute: ``compute_dtype=torch.bfloat16`` for the FSDPs (parameters, gradients and AdamW state
 stay f32), ``torch.autocast("xla", torch.bfloat16)`` for SPMD (it has no compute dtype).
