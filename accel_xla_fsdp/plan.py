@@ -22,6 +22,13 @@ alias + temp. ``--check-extrapolation`` measures it against a full-depth compile
 +0.12% for the peak of Llama-3.2-1B, but 36% low for a small program whose temps at 1 and 2 layers were
 tens of MiB (the compiler keeps such buffers on chip).
 
+[Note: torch_xla's SPMD FSDPv2 beside ours]
+``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
+(``tpu_program.export_spmd_training_step``): the whole SPMD program, traced over one XLA:CPU
+device per chip, partitioned by the TPU compiler. This machine then holds every chip's shards, not
+one replica's (16 bytes per parameter), so SPMD is extrapolated from 1 and 2 layers far sooner.
+Its traffic is set against the same FSDP floor as ours (the same parameters gathered and reduced).
+
 Each trace is a process of its own (``python -m accel_xla_fsdp.plan SPEC.json``): the XLA:CPU
 runtime with one device, a fresh model; each compile too, in the compiler's venv.
 """
@@ -36,7 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -50,6 +57,7 @@ GIB = 1 << 30
 TRACE_BYTES_PER_SHARD_PARAM = 16
 TRACE_OVERHEAD = 2 * GIB  # torch, transformers, the runtime, the traced graph
 FIGURES = ("argument", "output", "alias", "temp", "peak", "ring_bytes", "floor")
+ENGINES = {"ours": "ours", "spmd": "torch_xla SPMD FSDPv2"}
 
 PLAN_HELP = """\
 Compile one training step of MODEL (forward, backward, AdamW with its state) for a TPU slice with
@@ -62,7 +70,8 @@ mixed_precision and fsdp_activation_checkpointing; options below override them),
 the accel-xla-fsdp checkout, or ACCEL_XLA_FSDP_TPU_PYTHON naming a Python with jax[tpu]==0.10.2.
 
 A model too large to trace here at full depth (--max-trace-memory) is traced with 1 and 2 decoder
-layers at full width and extrapolated to its depth (said in the output; docs/plan.md)."""
+layers at full width and extrapolated to its depth (said in the output; docs/plan.md).
+--compare spmd: torch_xla's SPMD FSDPv2 on the same step, its figures beside ours."""
 
 
 class PlanError(Exception):
@@ -175,7 +184,13 @@ def trace(spec: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
     if spec["config_file"]:
         os.environ[CONFIG_FILE_ENV] = spec["config_file"]
     config = AutoConfig.from_pretrained(spec["model"])
-    floors = {}
+    floors: Dict[int, Dict[str, Any]] = {}
+    if spec["engine"] == "spmd":
+        for layers in spec["layers"]:
+            gc.collect()
+            _trace_spmd(spec, with_layers(config, layers), program_path(spec, layers))
+            floors[layers] = {"floor": 0.0}  # set to ours' by plan(): the same parameters
+        return floors
     with _xla.tracing_replica(0, spec["chips"], "TPU"):
         for layers in spec["layers"]:
             gc.collect()  # the previous depth's step, pending collectives and all
@@ -202,8 +217,42 @@ def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
     return tpu_program.communication_floor(wrapped)
 
 
+def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:
+    """torch_xla's SPMD FSDPv2 on the step: the model's parameters made on the host, uninitialized
+    (a trace reads shapes; tied ones stay one tensor), then sharded by the SPMD wrapper."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from . import tpu_program
+
+    if spec["precision"] == "bf16":
+        # SPMD's bf16 is torch.autocast, which leaves sdpa out: its query and key come out of the
+        # rotary embedding in f32, its value in bf16, and sdpa refuses the mix. Eager attention
+        # (what scripts/tpu_benchmark.py traces for every engine) autocasts its matmuls.
+        config._attn_implementation = "eager"
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    made: Dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+                module._parameters[name] = made[id(p)]
+    tpu_program.export_spmd_training_step(
+        model,
+        spec["chips"],
+        spec["batch"],
+        spec["seq"],
+        out,
+        checkpoint=spec["checkpointing"],
+        autocast=spec["precision"] == "bf16",
+    )
+
+
 def program_path(spec: Dict[str, Any], layers: int) -> Path:
-    return Path(spec["workdir"]) / f"step.{layers}-layers.hlo"
+    return Path(spec["workdir"]) / f"step.{spec['engine']}.{layers}-layers.hlo"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +308,9 @@ class Request:
     config_file: Optional[str]
 
 
-def _trace_spec(request: Request, depths: Sequence[int], workdir: Path) -> Dict[str, Any]:
+def _trace_spec(request: Request, engine: str, depths: Sequence[int], workdir: Path) -> Dict[str, Any]:
     return {
+        "engine": engine,
         "model": request.model,
         "layers": list(depths),
         "chips": request.slice.chips,
@@ -273,16 +323,23 @@ def _trace_spec(request: Request, depths: Sequence[int], workdir: Path) -> Dict[
     }
 
 
-def run_traces(request: Request, depths: Sequence[int], workdir: Path) -> Dict[int, Tuple[Path, float]]:
+def run_traces(request: Request, engine: str, depths: Sequence[int], workdir: Path) -> Dict[int, Tuple[Path, float]]:
     """Each depth's exported program and floor, traced in one process of its own."""
-    spec = _trace_spec(request, depths, workdir)
-    spec_path = workdir / "trace.json"
+    spec = _trace_spec(request, engine, depths, workdir)
+    spec_path = workdir / f"trace.{engine}.json"
     spec_path.write_text(json.dumps(spec))
-    # one XLA:CPU device: tracing_replica refuses several
+    # ours: one XLA:CPU device (tracing_replica refuses several); SPMD: one per chip
     env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
     env["PJRT_DEVICE"] = "CPU"
     what = " and ".join(map(str, depths))
-    print(f"plan: tracing {what} decoder layers as replica 0 of {request.slice.chips}", file=sys.stderr, flush=True)
+    chips = request.slice.chips
+    if engine == "spmd":
+        from . import _xla  # imports torch_xla: only when SPMD is asked for
+
+        env.update(_xla.cpu_device_env(chips))
+        print(f"plan: tracing {what} decoder layers of {ENGINES[engine]} over {chips}", file=sys.stderr, flush=True)
+    else:
+        print(f"plan: tracing {what} decoder layers as replica 0 of {chips}", file=sys.stderr, flush=True)
     done = subprocess.run(
         [sys.executable, "-m", "accel_xla_fsdp.plan", str(spec_path)], env=env, capture_output=True, text=True
     )
@@ -292,24 +349,30 @@ def run_traces(request: Request, depths: Sequence[int], workdir: Path) -> Dict[i
     return {layers: (program_path(spec, layers), floors[str(layers)]["floor"]) for layers in depths}
 
 
-def run_compile(python: Path, programs: Sequence[Path], request: Request) -> List[Dict[str, Any]]:
+def run_compile(python: Path, programs: Sequence[Path], request: Request, spmd: bool) -> List[Dict[str, Any]]:
+    """``spmd``: the programs are SPMD traces, which the compiler partitions over the chips."""
     print(f"plan: compiling {len(programs)} program(s) for {request.slice.name}", file=sys.stderr, flush=True)
     cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), *map(str, programs), "--topology", request.slice.name]
+    cmd += ["--spmd"] if spmd else []
     done = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def trace_depths(full: int, per_layer: int, rest: int, chips: int, budget: int, check: bool) -> List[int]:
+def trace_depths(
+    full: int, per_layer: int, rest: int, chips: int, budget: int, check: bool, engine: str = "ours"
+) -> List[int]:
     """The depths to trace: the model's own when it fits ``budget`` bytes here, else 1 and 2;
-    ``check``: 1, 2 and the model's own (its trace then may take more than ``budget``)."""
+    ``check``: 1, 2 and the model's own (its trace then may take more than ``budget``).
+    ``chips``: those the trace holds shards of here (SPMD: all of them, so count 1)."""
     if full <= 2 or (not check and trace_memory(rest + full * per_layer, chips) <= budget):
         return [full]
     if trace_memory(rest + 2 * per_layer, chips) > budget:
         need = trace_memory(rest + 2 * per_layer, chips) / GIB
+        what = f"on {chips} chips" if engine == "ours" else f"of {ENGINES[engine]} (every chip's shards)"
         raise PlanError(
-            f"even 2 decoder layers at full width need about {need:.1f} GiB here to trace on {chips} chips "
+            f"even 2 decoder layers at full width need about {need:.1f} GiB here to trace {what} "
             f"(--max-trace-memory is {budget / GIB:.1f} GiB): raise --max-trace-memory if this machine has it"
         )
     return [1, 2, full] if check else [1, 2]
@@ -330,15 +393,30 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     one, two = parameter_count(with_layers(config, 1)), parameter_count(with_layers(config, 2))
     per_layer, rest = two - one, one - (two - one)
     budget = int(args.max_trace_memory * GIB)
-    depths = trace_depths(depth, per_layer, rest, the_slice.chips, budget, args.check_extrapolation)
+    engines = ["ours", *([args.compare] if args.compare else [])]
+    depths = {
+        engine: trace_depths(
+            depth,
+            per_layer,
+            rest,
+            the_slice.chips if engine == "ours" else 1,
+            budget,
+            args.check_extrapolation,
+            engine,
+        )
+        for engine in engines
+    }
+    steps: Dict[str, Dict[int, Step]] = {}
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
-        traced = run_traces(request, depths, Path(tmp))
-        reports = run_compile(python, [traced[layers][0] for layers in depths], request)
-        steps = {layers: Step.of(layers, r, traced[layers][1]) for layers, r in zip(depths, reports)}
+        traced = {engine: run_traces(request, engine, depths[engine], Path(tmp)) for engine in engines}
+        for engine in engines:
+            programs = [traced[engine][layers][0] for layers in depths[engine]]
+            reports = run_compile(python, programs, request, spmd=engine == "spmd")
+            steps[engine] = {
+                layers: Step.of(layers, r, traced[engine][layers][1]) for layers, r in zip(depths[engine], reports)
+            }
         if args.hlo_out:
-            shutil.copyfile(traced[max(depths)][0], args.hlo_out)
-    extrapolated = depth not in steps
-    step = steps[1].extrapolated(steps[2], depth) if extrapolated else steps[depth]
+            shutil.copyfile(traced["ours"][max(depths["ours"])][0], args.hlo_out)
     result: Dict[str, Any] = {
         "model": args.model,
         "model_type": config.model_type,
@@ -352,20 +430,39 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "precision": precision,
         "gradient_checkpointing": checkpointing,
         "config_file": args.config_file,
-        "traced_layers": depths,
+        **engine_figures(steps["ours"], depth, the_slice),
+    }
+    result["hints"] = hints(result)
+    if args.compare:
+        # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same floor
+        result[args.compare] = engine_figures(steps[args.compare], depth, the_slice, floor=result["floor"])
+    if args.hlo_out:
+        result["hlo_out"] = {"path": args.hlo_out, "layers": max(depths["ours"])}
+    return result
+
+
+def engine_figures(
+    steps: Dict[int, Step], depth: int, the_slice: Slice, floor: Optional[float] = None
+) -> Dict[str, Any]:
+    """One engine's figures at the model's depth (compiled, or extrapolated from 1 and 2 layers),
+    with the verdict; ``floor``: the traffic's floor, when not the one its steps carry."""
+    extrapolated = depth not in steps
+    step = steps[1].extrapolated(steps[2], depth) if extrapolated else steps[depth]
+    if floor is not None:
+        step = replace(step, floor=floor)
+    figures: Dict[str, Any] = {
+        "traced_layers": sorted(steps),
         "extrapolated": extrapolated,
         **asdict(step),
         "fits": step.peak <= the_slice.hbm,
         "margin": the_slice.hbm - step.peak,
+        "traced": [asdict(s) for s in steps.values()],
     }
-    result["traced"] = [asdict(s) for s in steps.values()]
     if len(steps) == 3:  # --check-extrapolation: the full compile's figures, and the extrapolation's
         line = steps[1].extrapolated(steps[2], depth)
-        result["check"] = {k: {"extrapolated": getattr(line, k), "compiled": getattr(step, k)} for k in FIGURES}
-    result["hints"] = hints(result)
-    if args.hlo_out:
-        result["hlo_out"] = {"path": args.hlo_out, "layers": max(depths)}
-    return result
+        kinds = FIGURES if floor is None else FIGURES[:-1]
+        figures["check"] = {k: {"extrapolated": getattr(line, k), "compiled": getattr(step, k)} for k in kinds}
+    return figures
 
 
 def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool]:
@@ -418,50 +515,69 @@ def hints(result: Dict[str, Any]) -> List[str]:
 
 
 def format_plan(r: Dict[str, Any]) -> str:
+    """The plan as text; with ``--compare``, the other engine's figures in a column beside ours."""
+
     def gib(x: float) -> str:
         return f"{x / GIB:,.2f} GiB" if abs(x) >= GIB else f"{x / (1 << 20):,.1f} MiB"
 
+    columns = [("ours", r)] + [(ENGINES[k], r[k]) for k in ENGINES if k != "ours" and k in r]
     precision = "bf16 compute (f32 parameters and AdamW state)"
     if r["precision"] == "fp32":
         precision = "fp32"
     depth = f"{r['layers']} decoder layers"
-    if r["extrapolated"]:
-        method = (
-            f"traced with 1 and 2 decoder layers at full width, extrapolated to {r['layers']} "
-            "(the full depth does not fit this machine's --max-trace-memory)"
-        )
-    else:
-        method = f"traced and compiled at full depth ({r['layers']} decoder layers)"
-    counts = ", ".join(f"{c:,.0f} {kind}" for kind, c in r["collectives"].items()) or "none"
     lines = [
         f"{r['model']}: {r['model_type']}, {_count(r['parameters'])} parameters, {depth}",
         f"on {r['topology']}: {r['chips']} {r['topology'].split('-')[0]} chips of {gib(r['hbm'])} HBM",
         f"step: sequence {r['seq']}, batch {r['batch_per_chip']} per chip, {precision}, "
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
-        method,
-        "",
-        "per chip, as the TPU compiler plans it:",
-        f"  arguments (parameter shards, AdamW state, batch) {gib(r['argument']):>12}",
-        f"  output not donated                               {gib(r['output'] - r['alias']):>12}",
-        f"  temp                                             {gib(r['temp']):>12}",
-        f"  peak                                             {gib(r['peak']):>12}"
-        f"  of {gib(r['hbm'])} HBM ({r['peak'] / r['hbm']:.0%})",
-        f"traffic per step, ring model: {gib(r['ring_bytes'])} sent per chip, "
-        f"{r['ring_bytes'] / r['floor']:.2f}x the FSDP floor ({gib(r['floor'])}); {counts}",
     ]
-    if "check" in r:
-        errors = ", ".join(
-            f"{k} {(c['extrapolated'] - c['compiled']) / c['compiled']:+.2%}"
-            for k, c in r["check"].items()
-            if c["compiled"]
+    for label, e in columns:
+        if e["extrapolated"]:
+            method = (
+                f"traced with 1 and 2 decoder layers at full width, extrapolated to {r['layers']} "
+                "(the full depth does not fit this machine's --max-trace-memory)"
+            )
+        else:
+            method = f"traced and compiled at full depth ({r['layers']} decoder layers)"
+        lines.append(method if len(columns) == 1 else f"{label}: {method}")
+    rows = [
+        ("arguments (parameter shards, AdamW state, batch)", lambda e: e["argument"]),
+        ("output not donated", lambda e: e["output"] - e["alias"]),
+        ("temp", lambda e: e["temp"]),
+        ("peak", lambda e: e["peak"]),
+    ]
+    widths = [max(12, len(label)) + 2 for label, _ in columns] if len(columns) > 1 else [12]
+    header = "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)) if len(columns) > 1 else ""
+    lines += ["", f"{'per chip, as the TPU compiler plans it:':<51}{header}".rstrip()]
+    for name, figure in rows:
+        cells = "".join(f"{gib(figure(e)):>{w}}" for (_, e), w in zip(columns, widths))
+        lines.append(f"  {name:<49}{cells}")
+    shares = ", ".join(f"{e['peak'] / r['hbm']:.0%}" for _, e in columns)
+    lines[-1] += f"  of {gib(r['hbm'])} HBM ({shares})"
+    for label, e in columns:
+        counts = ", ".join(f"{c:,.0f} {kind}" for kind, c in e["collectives"].items()) or "none"
+        lines.append(
+            ("" if len(columns) == 1 else f"{label}: ")
+            + f"traffic per step, ring model: {gib(e['ring_bytes'])} sent per chip, "
+            f"{e['ring_bytes'] / e['floor']:.2f}x the FSDP floor ({gib(e['floor'])}); {counts}"
         )
-        lines.append(f"extrapolation from 1 and 2 layers against this full-depth compile: {errors}")
-    if r["fits"]:
-        verdict = f"verdict: fits, {gib(r['margin'])} to spare ({r['margin'] / r['hbm']:.0%} of HBM)"
-    else:
-        verdict = f"verdict: does NOT fit, {gib(-r['margin'])} over; to lower the peak:"
-    lines += ["", verdict, *(f"  - {h}" for h in r["hints"])]
+        if "check" in e:
+            errors = ", ".join(
+                f"{k} {(c['extrapolated'] - c['compiled']) / c['compiled']:+.2%}"
+                for k, c in e["check"].items()
+                if c["compiled"]
+            )
+            lines.append(f"extrapolation from 1 and 2 layers against this full-depth compile: {errors}")
+    lines.append("")
+    for label, e in columns:
+        if e["fits"]:
+            verdict = f"fits, {gib(e['margin'])} to spare ({e['margin'] / r['hbm']:.0%} of HBM)"
+        else:
+            verdict = f"does NOT fit, {gib(-e['margin'])} over" + ("; to lower the peak:" if e is r else "")
+        lines.append(f"verdict{'' if len(columns) == 1 else f', {label}'}: {verdict}")
+        if e is r:
+            lines += [f"  - {h}" for h in r["hints"]]
     lines.append(
         "(the compiler's plan of one step: the TPU runtime keeps some HBM for itself; numerics and speed are "
         "not shown, docs/plan.md)"
@@ -506,6 +622,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="host memory a trace may take here; a deeper model is traced with 1 and 2 layers and "
         "extrapolated (default 6)",
+    )
+    parser.add_argument(
+        "--compare",
+        choices=["spmd"],
+        help="spmd: also compile torch_xla's SPMD FSDPv2 (SpmdFullyShardedDataParallel) on the same step, "
+        "its figures beside ours",
     )
     parser.add_argument(
         "--check-extrapolation",

@@ -22,10 +22,11 @@ tensors and the program a real TPU sync compiles, and the export puts them right
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 import torch_xla
@@ -125,6 +126,64 @@ def export_training_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return export_step([loss, *model.parameters(), *xla_tensors(optimizer)], donations, path)
+
+
+def export_spmd_training_step(
+    model: torch.nn.Module,
+    chips: int,
+    batch_per_chip: int,
+    seq: int,
+    path: Path,
+    checkpoint: bool = False,
+    autocast: bool = False,
+) -> ExportedProgram:
+    """torch_xla's SPMD FSDPv2 (``SpmdFullyShardedDataParallel``) on ``model``'s training step,
+    exported whole (``export_training_step``) for the compiler to partition over ``chips``.
+
+    Needs ``chips`` XLA:CPU devices in this process (``_xla.cpu_device_env``), one per chip, and
+    no XLA tensor created before (``xr.use_spmd()`` must come first). ``model`` (on the CPU):
+    each of its blocks (``_no_split_modules``) wrapped, checkpointed with ``checkpoint``, over a
+    mesh ("fsdp", "model") of (chips, 1), the batch and the logits sharded along "fsdp", as in
+    ``scripts/benchmark.py``. ``autocast``: bf16 under ``torch.autocast`` (SPMD has no compute
+    dtype of its own).
+    """
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp import checkpoint_module
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as SpmdFsdp
+
+    xr.use_spmd()
+    if xr.global_runtime_device_count() != chips:
+        raise RuntimeError(f"{chips} XLA:CPU devices needed, one per chip (_xla.cpu_device_env({chips}))")
+    mesh = xs.Mesh(np.arange(chips), (chips, 1), ("fsdp", "model"))
+    # In SPMD mode a tensor moved to the device waits on the host (the virtual device) until it
+    # is sharded. Moved before wrapping so that tied weights are tied again on the device: the
+    # wrapper's own ``module.to("xla")`` would untie them (each module gets its own copy).
+    model = model.to(torch_xla.device())
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # type: ignore[operator]  # a PreTrainedModel
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = {type(m) for m in model.modules() if type(m).__name__ in names}
+
+    def shard_logits(output: object, mesh: xs.Mesh) -> None:
+        logits = output if isinstance(output, torch.Tensor) else output.logits  # type: ignore[attr-defined]
+        xs.mark_sharding(logits, mesh, ("fsdp",) + (None,) * (logits.dim() - 1))
+
+    def wrap_block(m: torch.nn.Module, *args: Any, **kwargs: Any) -> SpmdFsdp:
+        return SpmdFsdp(checkpoint_module(m) if checkpoint else m, *args, **kwargs)
+
+    wrapped = SpmdFsdp(
+        model,
+        mesh=mesh,
+        shard_output=shard_logits,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
+        auto_wrapper_callable=wrap_block,
+    )
+    ids = torch.zeros(chips * batch_per_chip, seq, dtype=torch.long, device=torch_xla.device())
+    xs.mark_sharding(ids, mesh, ("fsdp", None))
+    return export_training_step(wrapped, ids, path, autocast=autocast)
 
 
 def _aliases(outputs: List[torch.Tensor], param_ids: Sequence[int], donations: Donations) -> Dict[int, int]:

@@ -13,7 +13,8 @@ with its state present) of issue 25's Llama four ways, compiles each with libtpu
   all-reduces, which torch_xla skips for one replica);
 * **torch_xla SPMD FSDPv2**: ``SpmdFullyShardedDataParallel`` over a mesh of the chips (XLA:CPU
   devices here, one per chip), batch sharded along it, each decoder layer wrapped, as in
-  ``scripts/benchmark.py``; its program is the whole SPMD program, which the compiler partitions.
+  ``scripts/benchmark.py``; its program is the whole SPMD program, which the compiler partitions
+  (``tpu_program.export_spmd_training_step``, as ``accel-xla-fsdp plan --compare spmd`` traces it).
 
 bf16 compute: ``compute_dtype=torch.bfloat16`` for the FSDPs (parameters, gradients and AdamW state
 stay f32), ``torch.autocast("xla", torch.bfloat16)`` for SPMD (it has no compute dtype).
@@ -139,39 +140,16 @@ def trace_torch_xla_fsdp(args: argparse.Namespace, path: Path) -> None:
 
 
 def trace_spmd(args: argparse.Namespace, path: Path) -> None:
-    import numpy as np
     import torch
-    import torch_xla
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-    from torch_xla.distributed.fsdp import checkpoint_module
-    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
     from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from accel_xla_fsdp import tpu_program
 
-    xr.use_spmd()
-    assert xr.global_runtime_device_count() == args.chips, "one XLA:CPU device per chip (cpu_device_env)"
-    mesh = xs.Mesh(np.arange(args.chips), (args.chips, 1), ("fsdp", "model"))
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(args))
-
-    def shard_logits(output: object, mesh: xs.Mesh) -> None:
-        logits = output if isinstance(output, torch.Tensor) else output.logits  # type: ignore[attr-defined]
-        xs.mark_sharding(logits, mesh, ("fsdp",) + (None,) * (logits.dim() - 1))
-
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    wrapper = (
-        (lambda m, *a, **kw: SpmdFullyShardedDataParallel(checkpoint_module(m), *a, **kw)) if args.checkpoint else None
+    tpu_program.export_spmd_training_step(
+        model, args.chips, 1, args.seq, path, checkpoint=args.checkpoint, autocast=args.precision == "bf16"
     )
-    model = SpmdFullyShardedDataParallel(
-        model, mesh=mesh, shard_output=shard_logits, auto_wrap_policy=policy, auto_wrapper_callable=wrapper
-    )
-    ids = torch.zeros(args.chips, args.seq, dtype=torch.long, device=torch_xla.device())  # batch 1 per chip
-    xs.mark_sharding(ids, mesh, ("fsdp", None))
-    tpu_program.export_training_step(model, ids, path, autocast=args.precision == "bf16")
 
 
 def trace(args: argparse.Namespace) -> None:

@@ -143,10 +143,11 @@ def _plan(python: Path, *argv: str) -> subprocess.CompletedProcess:
 
 def test_plan_end_to_end(tpu_python: Path, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
     """A user's command: the plugin's TPU config (bf16, checkpointing, per-parameter shards),
-    compiled for 8 v5e chips; the figures, the verdict, the exported program."""
+    compiled for 8 v5e chips; the figures, the verdict, the exported program; torch_xla's SPMD
+    FSDPv2 on the same step beside it (--compare spmd), ours unchanged by it."""
     hlo = tmp_path / "step.hlo"
     argv = [str(tiny), "--topology", "v5e-8", "--seq", "64", "--config_file", TPU_PLUGIN, "--hlo-out", str(hlo)]
-    result = json.loads(_plan(tpu_python, *argv, "--json").stdout)
+    result = json.loads(_plan(tpu_python, *argv, "--compare", "spmd", "--json").stdout)
     assert (result["chips"], result["hbm"], result["traced_layers"]) == (8, 16 * GIB, [2])
     assert (result["precision"], result["gradient_checkpointing"], result["extrapolated"]) == ("bf16", True, False)
     # parameter shards and AdamW's two moments, f32; each of the 21 shards padded to whole (16, 128) tiles
@@ -158,3 +159,28 @@ def test_plan_end_to_end(tpu_python: Path, tiny: Path, tmp_path: Path) -> None: 
     assert result["floor"] <= result["ring_bytes"] <= 1.05 * result["floor"]
     assert result["fits"] and result["margin"] == 16 * GIB - result["peak"] and result["hints"] == []
     assert "input_output_alias" in hlo.read_text().split("\n", 1)[0]
+    # SPMD: the whole program, partitioned over the 8 chips by the compiler: each chip's arguments
+    # are an eighth of the f32 parameters and moments (whole, they would be 8 times the bound), and
+    # the chips gather parameters
+    spmd = result["spmd"]
+    assert (spmd["traced_layers"], spmd["extrapolated"]) == ([2], False)
+    assert 12 * shards <= spmd["argument"] <= 12 * (shards + 21 * 2048) + 1024
+    assert spmd["peak"] == spmd["argument"] + spmd["output"] - spmd["alias"] + spmd["temp"]
+    assert spmd["collectives"].get("all-gather", 0) > 0 and spmd["floor"] == result["floor"]
+    assert spmd["fits"] and spmd["margin"] == 16 * GIB - spmd["peak"]
+    text = plan.format_plan(result).splitlines()
+    assert text[text.index("") + 1].split()[-4:] == ["ours", "torch_xla", "SPMD", "FSDPv2"]
+    assert [line.split(":")[0] for line in text if line.startswith("verdict")] == [
+        "verdict, ours",
+        "verdict, torch_xla SPMD FSDPv2",
+    ]
+
+
+def test_spmd_trace_memory_counts_every_chip() -> None:
+    """SPMD holds every chip's shards here: 1 and 2 layers where ours traces the full depth, and a
+    model whose 2 layers do not fit names SPMD."""
+    full, per_layer, rest, budget = 16, 60_000_000, 260_000_000, 6 * GIB
+    assert plan.trace_depths(full, per_layer, rest, 8, budget, False) == [16]
+    assert plan.trace_depths(full, per_layer, rest, 1, 10 * GIB, False, "spmd") == [1, 2]
+    with pytest.raises(plan.PlanError, match="torch_xla SPMD FSDPv2"):
+        plan.trace_depths(full, per_layer, rest, 1, budget, False, "spmd")
