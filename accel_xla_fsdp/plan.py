@@ -198,17 +198,24 @@ def trace(spec: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
     return floors
 
 
-def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
-    import torch
+def _model_on_meta(config: Any) -> Any:
+    """The causal LM of ``config``, its parameters on the meta device (a trace reads shapes), its
+    buffers real."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
+    import torch
 
     from . import _xla, tpu_program
     from .hf_accelerate.plugin import XlaFsdpPlugin
 
     compute_dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
-        model = AutoModelForCausalLM.from_config(config)
+    model = _model_on_meta(config)
     wrapped = XlaFsdpPlugin().wrap(
         model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=ZeroShards()
     )
@@ -221,8 +228,6 @@ def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:
     """torch_xla's SPMD FSDPv2 on the step: the model's parameters made on the host, uninitialized
     (a trace reads shapes; tied ones stay one tensor), then sharded by the SPMD wrapper."""
     import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     from . import tpu_program
 
@@ -231,8 +236,7 @@ def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:
         # rotary embedding in f32, its value in bf16, and sdpa refuses the mix. Eager attention
         # (what scripts/tpu_benchmark.py traces for every engine) autocasts its matmuls.
         config._attn_implementation = "eager"
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
+    model = _model_on_meta(config)
     made: Dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
