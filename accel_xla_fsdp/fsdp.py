@@ -28,6 +28,7 @@ from .construction import (
     materialize_meta,
     move_buffers,
 )
+from .embedding import patch_embedding_modules
 from .linear import patch_linear_modules
 from .options import (
     CONSTRUCTION_ARGUMENTS,
@@ -100,6 +101,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     ) -> None:
         if options.use_xla_patched_linear:
             patch_linear_modules(module)
+        patch_embedding_modules(module)
         self._fsdp_wrapped_module = module
         _WRAPPED_MODULES.add(module)
         device = _xla.device()

@@ -46,7 +46,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("options",),
     ("param_group",),
     ("collectives",),
-    ("linear", "checkpointing", "wrap"),
+    ("linear", "embedding", "checkpointing", "wrap"),
     ("unit_state",),
     ("state_dict",),
     ("construction",),

@@ -59,11 +59,14 @@ class Stack(nn.Module):
     """A stem (owned by the root unit, so that the blocks' inputs require gradients), the blocks,
     a head."""
 
-    def __init__(self, blocks: int, width: int, stem: bool) -> None:
+    def __init__(self, blocks: int, width: int, stem: bool, vocab: int = 0) -> None:
         super().__init__()
-        self.stem = nn.Linear(width, width) if stem else nn.Identity()
+        # with a vocabulary, a language model's ends: an embedding, and a head to logits
+        self.stem: nn.Module = nn.Linear(width, width) if stem else nn.Identity()
+        if vocab:
+            self.stem = nn.Embedding(vocab, width, padding_idx=3)
         self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(blocks)))
-        self.head = nn.Linear(width, 1)
+        self.head = nn.Linear(width, vocab or 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)))
@@ -83,6 +86,8 @@ class Config:
     alone: bool = False  # every replica its own sharding group of one: FSDP on one device
     steady: bool = False  # a step with AdamW's state present (a first step runs before it)
     donation_order: bool = False  # outputs written again in donation order, as XlaFsdpOptimizer does
+    vocab: int = 0  # the stem an nn.Embedding of this many rows, fed ids
+    user_embedding: bool = False  # that embedding's forward a user's F.embedding: not patched
 
 
 STATE_HEAVY = Config()
@@ -93,7 +98,10 @@ CHECKPOINTED = replace(ACTIVATION_HEAVY, checkpoint=True)
 def build(rank: int, world: int, config: Config) -> TrainingStep:
     """Every block its own unit (checkpointed if asked), then the root; this replica's batch of ones."""
     with seeded(0):
-        model = Stack(config.blocks, config.width, config.stem)
+        model = Stack(config.blocks, config.width, config.stem, config.vocab)
+    if config.user_embedding:
+        embed = model.stem
+        embed.forward = lambda ids: nn.functional.embedding(ids, embed.weight, embed.padding_idx)  # type: ignore[method-assign]
     if config.sharded:
         kwargs = dict(flatten_parameters=config.flatten, _use_xla_patched_linear=config.patched_linear)
         if config.alone:
@@ -109,6 +117,8 @@ def build(rank: int, world: int, config: Config) -> TrainingStep:
     else:
         optimizer = torch.optim.SGD(params, lr=0.1)
     x = torch.ones(config.batch, config.width)
+    if config.vocab:  # ids, repeated
+        x = torch.arange(config.batch * config.width).reshape(config.batch, config.width) % 7 + rank
     return TrainingStep(model, optimizer, lambda: model(x.to(_xla.device())).square().mean())
 
 
@@ -255,6 +265,7 @@ def steps() -> Iterator[Dict[int, CompiledSteps]]:
         *(replace(state_heavy(layout, 4), patched_linear=False) for layout in LAYOUTS),
         replace(CHECKPOINTED, stem=False),
         *(steady(layout, d) for layout in LAYOUTS for d in (False, True)),
+        *(replace(EMBEDDING_STEM, user_embedding=u) for u in (True, False)),
     )
     yield made
     for n in (2, 4):
@@ -423,3 +434,39 @@ def test_outputs_in_donation_order_update_in_place(steps: Dict[int, CompiledStep
     assert ordered.total_bytes <= 0.9 * plain.total_bytes, (plain.total_bytes, ordered.total_bytes)
     measured = tuple((p.total_bytes, p.parameter_copies) for p in (plain, ordered))
     assert measured == EXPECTED_STEADY[layout]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The embedding gradient's zeros
+#
+# The stem an embedding of 4096 rows (2 MiB of fp32, twice the blocks' parameters), in the root.
+# Autograd's embedding backward scatter-adds into zeros that depend on nothing, and XLA:CPU makes
+# them at the program's start; the engine's patched embedding (accel_xla_fsdp/embedding.py) makes
+# them from the incoming gradient ([Note: the embedding gradient's zeros]).
+
+EMBEDDING_STEM = replace(STATE_HEAVY, vocab=4096)
+EMBEDDING_BYTES = 4096 * WIDTH * FLOAT_BYTES
+EXPECTED_EMBEDDING = {"autograd's": 22_568_775, "patched": 20_471_629}  # bytes per device, 4 devices
+
+
+def test_embedding_gradient_zeros_are_not_made_at_the_start(steps: Dict[int, CompiledSteps]) -> None:
+    stock, patched = (total(steps[4](replace(EMBEDDING_STEM, user_embedding=u))) for u in (True, False))
+    assert stock - patched >= 0.99 * EMBEDDING_BYTES, (stock, patched)  # the zeros, at the peak
+    assert {"autograd's": stock, "patched": patched} == EXPECTED_EMBEDDING
+
+
+def embedding_gradients(rank: int, world: int, user_embedding: bool) -> Dict[str, torch.Tensor]:
+    step = build(rank, world, replace(EMBEDDING_STEM, user_embedding=user_embedding, vocab=40))
+    step.loss().backward()
+    grads = {n: p.grad.detach().cpu() for n, p in step.model.named_parameters()}
+    _xla.sync()
+    return grads
+
+
+def test_patched_embedding_gradient_is_autograds_bit_for_bit(pools) -> None:
+    """Ids repeated (the scatter-add accumulates), every replica its own ids."""
+    patched, stock = (pools[2].run(embedding_gradients, 2, u) for u in (False, True))
+    for mine, theirs in zip(patched, stock):
+        assert sorted(mine) == sorted(theirs)
+        for name, grad in theirs.items():
+            assert torch.equal(mine[name], grad), name
