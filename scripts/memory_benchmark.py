@@ -2,7 +2,7 @@
 
 Makes a Llama of the size asked (fp32 weights, ``save_pretrained`` into a folder, once per shape),
 runs scripts/memory_stages.py on it under ``accelerate launch`` with XLA FSDP on N XLA:CPU
-replicas (plugins/xla_fsdp_cpu.yaml: ``fsdp_cpu_ram_efficient_loading``, flat shards, one unit
+replicas (plugins/xla_fsdp_cpu.yaml: ``fsdp_cpu_ram_efficient_loading``, per-parameter shards, one unit
 per decoder block), then ``accel-xla-fsdp consolidate`` on its checkpoint, sampling the resident
 memory of the whole process tree every 50 ms. Prints each stage's peak and its resident memory
 when it ends, in M (the model's size in fp32), the process's own memory before loading included;
@@ -10,8 +10,9 @@ beside them the same script on Accelerate's stock DDP (torchrun, gloo, N process
 fits in the memory available (it holds about 32 M at 0.16 B; otherwise skipped, and said so).
 
     .venv/bin/python scripts/memory_benchmark.py --preset 0.16b
-    .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --ddp no   # ~20 GB: alone on the machine
+    .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --layers 20 --ddp no   # 1.0 B, ~23 GiB: alone on the machine
     .venv/bin/python scripts/memory_benchmark.py --hidden 512 --intermediate 1376 --layers 4 --heads 8 --kv-heads 8
+    .venv/bin/python scripts/memory_benchmark.py --preset 0.48b --config_file MY_CONFIG.yaml   # other plugin settings
 
 Above 3 GiB, on a shared machine, run it under the machine's lock (``flock LOCKFILE ...``).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +54,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument(
         "--ddp", choices=["auto", "yes", "no"], default="auto", help="run stock DDP beside (auto: if it fits)"
+    )
+    p.add_argument(
+        "--config_file",
+        type=Path,
+        default=ROOT / "plugins" / "xla_fsdp_cpu.yaml",
+        help="the accelerate launch config whose plugin settings are measured (its num_processes becomes --replicas)",
     )
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "accel-xla-fsdp-memory")
     args = p.parse_args()
@@ -165,15 +173,14 @@ def stage_figures(sampler: TreeSampler, marks: Path) -> Dict[str, Tuple[int, int
 # -- the runs ------------------------------------------------------------------------------------
 
 
-def xla_fsdp_run(pretrained: Path, work: Path, replicas: int) -> Tuple[Dict[str, Tuple[int, int, int]], int]:
+def xla_fsdp_run(
+    pretrained: Path, work: Path, replicas: int, config_file: Path
+) -> Tuple[Dict[str, Tuple[int, int, int]], int]:
     out, marks = work / "fsdp", work / "fsdp-marks.jsonl"
     shutil.rmtree(out, ignore_errors=True)
     marks.unlink(missing_ok=True)
-    config = work / "xla_fsdp_cpu.yaml"
-    text = (
-        (ROOT / "plugins" / "xla_fsdp_cpu.yaml").read_text().replace("num_processes: 4", f"num_processes: {replicas}")
-    )
-    config.write_text(text)
+    config = work / "xla_fsdp.yaml"
+    config.write_text(re.sub(r"(?m)^num_processes: *\d+", f"num_processes: {replicas}", config_file.read_text()))
     env = dict(os.environ, MEMORY_BENCH_MARKS=str(marks), HF_HUB_OFFLINE="1")
     command = [
         str(BIN / "accelerate"),
@@ -223,7 +230,7 @@ def main() -> None:
     floor = 4 * m + args.replicas * largest_unit * 4
     ddp_fits = DDP_HOLDS_M * m < psutil.virtual_memory().available * 0.9
     run_ddp = args.ddp == "yes" or (args.ddp == "auto" and ddp_fits)
-    ours, consolidate_peak = xla_fsdp_run(pretrained, work, args.replicas)
+    ours, consolidate_peak = xla_fsdp_run(pretrained, work, args.replicas, args.config_file)
     ddp: Optional[Dict[str, Tuple[int, int, int]]] = ddp_run(pretrained, work, args.replicas) if run_ddp else None
 
     def fmt(b: int) -> str:
@@ -248,6 +255,9 @@ def main() -> None:
             row += f" {fmt(ddp[stage][1])} |" if stage in ddp else " |"
         print(row)
     print(f"| consolidate (own process) | {fmt(consolidate_peak)} | | |" + (" |" if ddp else ""))
+    for stage in ("train", "step after load"):
+        if stage in ours:
+            print(f"{stage}: {(ours[stage][1] - base) / floor:.2f}x the floor above the process before loading")
     if not run_ddp:
         why = (
             "--ddp no"
