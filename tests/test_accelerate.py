@@ -105,7 +105,7 @@ def check_params(
 
 
 def test_training_matches_one_plain_model(unbroken) -> None:
-    assert unbroken["world"] == 4 and len(unbroken["steps"]) == STEPS and unbroken["flatten_parameters"]
+    assert unbroken["world"] == 4 and len(unbroken["steps"]) == STEPS and not unbroken["flatten_parameters"]
     ids = [sorted(i for micro in s["ids"] for i in micro) for s in unbroken["steps"]]
     assert all(len(set(i)) == 8 * ACCUM for i in ids), "each step takes distinct rows"
     reference = train_plain(unbroken["steps"], world=4)
@@ -153,13 +153,13 @@ def test_resume_on_more_replicas_than_saved_reshards(tmp_path) -> None:
 
 
 def test_bf16_computes_in_bf16_and_tracks_fp32(tmp_path) -> None:
-    # The config file alone says bf16, 2 devices, no resharding after forward and one shard per
-    # parameter: what reaches the replicas is what accelerate launch was given.
+    # The config file alone says bf16, 2 devices, no resharding after forward and flat shards:
+    # what reaches the replicas is what accelerate launch was given.
     text = CPU_CONFIG.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16")
     text = text.replace("num_processes: 4", "num_processes: 2").replace(
         "fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false"
     )
-    text = text.replace("xla_fsdp_flatten_parameters: true", "xla_fsdp_flatten_parameters: false")
+    text = text.replace("xla_fsdp_flatten_parameters: false", "xla_fsdp_flatten_parameters: true")
     config = tmp_path / "bf16.yaml"
     config.write_text(text)
     run = launch(tmp_path / "run.json", tmp_path / "project", config=config)
@@ -167,7 +167,7 @@ def test_bf16_computes_in_bf16_and_tracks_fp32(tmp_path) -> None:
         "bf16",
         2,
         False,
-        False,
+        True,
     )
     reference = train_plain(run["steps"], world=2)
     losses = torch.tensor([s["losses"] for s in run["steps"]])
@@ -193,7 +193,7 @@ def test_the_stock_script_under_accel_xla_fsdp_launch_is_the_same_run(unbroken, 
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     launched = json.loads(out.read_text())
-    assert launched["flatten_parameters"] and launched["steps"] == unbroken["steps"]
+    assert not launched["flatten_parameters"] and launched["steps"] == unbroken["steps"]
     params = load_file(str(out.with_suffix(".safetensors")))
     assert set(params) == set(unbroken["params"])
     for name, value in params.items():

@@ -8,8 +8,8 @@ every 3 steps with ``save_total_limit=2``. The logged losses, gradient norms, le
 evaluation losses must agree to round-off; the saved model must load with ``from_pretrained``; a
 run resumed from ``checkpoint-6`` (by ``resume_from_checkpoint=True``, past a ``checkpoint-8`` left
 incomplete) must repeat the unbroken run bit for bit on 4 replicas and to
-round-off on 2 (with its settings from ``TrainingArguments(fsdp_config=...)``, one shard per
-parameter, resharding the flat checkpoint, and ``activation_checkpointing``).
+round-off on 2 (with its settings from ``TrainingArguments(fsdp_config=...)``, flat shards,
+resharding the per-parameter checkpoint, and ``activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def runs(tmp_path_factory) -> Dict:
 
 def test_losses_match_the_cpu_trainer(runs) -> None:
     cpu, xla = runs["cpu"], runs["xla"]
-    assert xla["world"] == cpu["world"] == 4 and xla["flatten_parameters"] is True and xla["checkpointed"] == 0
+    assert xla["world"] == cpu["world"] == 4 and xla["flatten_parameters"] is False and xla["checkpointed"] == 0
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         theirs, ours = by_step(cpu, key), by_step(xla, key)
         assert sorted(ours) == sorted(theirs) and len(ours) >= 3, (key, sorted(ours))
@@ -199,7 +199,7 @@ def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path)
     settings = {
         "xla": True,
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-        "xla_fsdp_settings": {"flatten_parameters": False},
+        "xla_fsdp_settings": {"flatten_parameters": True},
     }
     resumed = launch(
         tmp_path / "run.json",
@@ -214,7 +214,7 @@ def test_resume_on_two_replicas_with_settings_from_training_args(runs, tmp_path)
         "--activation-checkpointing",
         launch_args=("--num_processes", "2"),
     )
-    assert resumed["world"] == 2 and resumed["flatten_parameters"] is False and resumed["checkpointed"] == 2
+    assert resumed["world"] == 2 and resumed["flatten_parameters"] is True and resumed["checkpointed"] == 2
     for key in ("loss", "grad_norm", "eval_loss"):
         ours, unbroken = by_step(resumed, key), by_step(runs["xla"], key)
         assert sorted(ours) == sorted(unbroken)
@@ -364,7 +364,7 @@ def test_the_stock_script_under_accel_xla_fsdp_launch_is_the_same_run(runs, tmp_
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env["PYTHONPATH"]])  # tiny_llama
     launched = _run(command, env, tmp_path / "run.json")
-    assert launched["flatten_parameters"] is True  # our Accelerator's plugin, from the config file
+    assert launched["flatten_parameters"] is False  # our Accelerator's plugin, from the config file
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         assert by_step(launched, key) == by_step(runs["xla"], key), key
     assert launched["final"]["eval_loss"] == runs["xla"]["final"]["eval_loss"]
