@@ -10,7 +10,7 @@ beside them the same script on Accelerate's stock DDP (torchrun, gloo, N process
 fits in the memory available (it holds about 32 M at 0.16 B; otherwise skipped, and said so).
 
     .venv/bin/python scripts/memory_benchmark.py --preset 0.16b
-    .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --layers 20 --ddp no   # 1.0 B, ~23 GiB: alone on the machine
+    .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --layers 20 --ddp no   # 1.0 B, 23 GiB: alone
     .venv/bin/python scripts/memory_benchmark.py --hidden 512 --intermediate 1376 --layers 4 --heads 8 --kv-heads 8
     .venv/bin/python scripts/memory_benchmark.py --preset 0.48b --config_file MY_CONFIG.yaml   # other plugin settings
 
