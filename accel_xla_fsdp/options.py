@@ -66,7 +66,10 @@ class FsdpOptions:
         "trainable and frozen parameters are flattened separately, and under Accelerate so are the "
         "param groups of the optimizers prepared with the model. torch_xla's default is per "
         "parameter. Accelerate's (None): flat on XLA:CPU, a faster step and less host time there "
-        "(docs/performance.md); per parameter on a TPU, where the compiler holds flat units' full "
+        "(docs/performance.md), but more memory (the unit's gradients are reduce-scattered together "
+        "once all are in: 1.34x the memory floor against 1.18x per parameter at 0.48 B, "
+        "docs/accelerate.md#memory-stage-by-stage), so plugins/xla_fsdp_cpu.yaml sets false; per "
+        "parameter on a TPU, where the compiler holds flat units' full "
         "buffers longer and relays them out (docs/tpu.md: 1.5x the temp of per-parameter shards). "
         "Per parameter to freeze single parameters after prepare() or to shard on dim 0.",
         accelerate="xla_fsdp_flatten_parameters",
