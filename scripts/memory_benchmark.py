@@ -8,11 +8,14 @@ memory of the whole process tree every 50 ms. Prints each stage's peak and its r
 when it ends, in M (the model's size in fp32), the process's own memory before loading included;
 beside them the same script on Accelerate's stock DDP (torchrun, gloo, N processes), when it
 fits in the memory available (it holds about 32 M at 0.16 B; otherwise skipped, and said so).
+With ``--trainer``, also scripts/memory_trainer_stages.py, the transformers ``Trainer``: 2 steps
+that write ``checkpoint-2``, ``save_model``, then a second launch that resumes for one more step.
 
     .venv/bin/python scripts/memory_benchmark.py --preset 0.16b
     .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --layers 20 --ddp no   # 1.0 B, 23 GiB: alone
     .venv/bin/python scripts/memory_benchmark.py --hidden 512 --intermediate 1376 --layers 4 --heads 8 --kv-heads 8
     .venv/bin/python scripts/memory_benchmark.py --preset 0.48b --config_file MY_CONFIG.yaml   # other plugin settings
+    .venv/bin/python scripts/memory_benchmark.py --preset 0.16b --trainer   # and the Trainer
 
 Above 3 GiB, on a shared machine, run it under the machine's lock (``flock LOCKFILE ...``).
 """
@@ -36,8 +39,10 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES_SCRIPT = ROOT / "scripts" / "memory_stages.py"
+TRAINER_SCRIPT = ROOT / "scripts" / "memory_trainer_stages.py"
 BIN = Path(sys.executable).parent
 STAGES = ["from_pretrained", "prepare", "train", "save_state", "stock save", "load_state", "step after load"]
+TRAINER_STAGES = ["prepare + 2 steps", "checkpoint-2", "save_model", "load checkpoint-2", "step after resume"]
 PRESETS: Dict[str, Dict[str, int]] = {
     "0.16b": dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, vocab=32000),
     "0.48b": dict(hidden=2048, intermediate=5632, layers=8, heads=32, kv_heads=4, vocab=32000),
@@ -60,6 +65,9 @@ def parse() -> argparse.Namespace:
         type=Path,
         default=ROOT / "plugins" / "xla_fsdp_cpu.yaml",
         help="the accelerate launch config whose plugin settings are measured (its num_processes becomes --replicas)",
+    )
+    p.add_argument(
+        "--trainer", action="store_true", help="also the Trainer: 2 steps, checkpoint-2, save_model, a resume"
     )
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "accel-xla-fsdp-memory")
     args = p.parse_args()
@@ -154,14 +162,14 @@ def run_sampled(command: List[str], env: Dict[str, str], log: Path) -> TreeSampl
     return sampler
 
 
-def stage_figures(sampler: TreeSampler, marks: Path) -> Dict[str, Tuple[int, int, int]]:
+def stage_figures(sampler: TreeSampler, marks: Path, stages: List[str] = STAGES) -> Dict[str, Tuple[int, int, int]]:
     """Each stage's (resident memory as it began, peak, resident memory as it ended), in bytes."""
     edges = {}
     for line in marks.read_text().splitlines():
         mark = json.loads(line)
         edges[(mark["stage"], mark["edge"])] = mark["time"]
     figures = {}
-    for stage in STAGES:
+    for stage in stages:
         if (stage, "begin") in edges and (stage, "end") in edges:
             begin, end = sampler.at(edges[(stage, "begin")]), sampler.at(edges[(stage, "end")])
             # a stage shorter than the 50 ms between samples has none of its own
@@ -173,31 +181,54 @@ def stage_figures(sampler: TreeSampler, marks: Path) -> Dict[str, Tuple[int, int
 # -- the runs ------------------------------------------------------------------------------------
 
 
+def launch(script: Path, args: List[str], config: Path, marks: Path, log: Path) -> TreeSampler:
+    """``accelerate launch --config_file config script args``, sampled."""
+    env = dict(os.environ, MEMORY_BENCH_MARKS=str(marks), HF_HUB_OFFLINE="1")
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(config), str(script), *args]
+    return run_sampled(command, env, log)
+
+
+def launch_config(work: Path, replicas: int, config_file: Path) -> Path:
+    config = work / "xla_fsdp.yaml"
+    config.write_text(re.sub(r"(?m)^num_processes: *\d+", f"num_processes: {replicas}", config_file.read_text()))
+    return config
+
+
 def xla_fsdp_run(
     pretrained: Path, work: Path, replicas: int, config_file: Path
 ) -> Tuple[Dict[str, Tuple[int, int, int]], int]:
     out, marks = work / "fsdp", work / "fsdp-marks.jsonl"
     shutil.rmtree(out, ignore_errors=True)
     marks.unlink(missing_ok=True)
-    config = work / "xla_fsdp.yaml"
-    config.write_text(re.sub(r"(?m)^num_processes: *\d+", f"num_processes: {replicas}", config_file.read_text()))
-    env = dict(os.environ, MEMORY_BENCH_MARKS=str(marks), HF_HUB_OFFLINE="1")
-    command = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--config_file",
-        str(config),
-        str(STAGES_SCRIPT),
-        str(pretrained),
-        str(out),
-    ]
-    sampler = run_sampled(command, env, work / "fsdp.log")
+    config = launch_config(work, replicas, config_file)
+    sampler = launch(STAGES_SCRIPT, [str(pretrained), str(out)], config, marks, work / "fsdp.log")
     figures = stage_figures(sampler, marks)
     consolidated = work / "consolidated"
     shutil.rmtree(consolidated, ignore_errors=True)
     command = [str(BIN / "accel-xla-fsdp"), "consolidate", str(out / "state"), str(consolidated)]
-    consolidate_peak = run_sampled(command, env, work / "consolidate.log").peak()
+    consolidate_peak = run_sampled(command, dict(os.environ, HF_HUB_OFFLINE="1"), work / "consolidate.log").peak()
+    # The checkpoints are only measured, and hold about 7 M of disk (27 GB at 1.0 B): a full disk
+    # fails whatever runs next on this machine, CI's install included.
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(consolidated, ignore_errors=True)
     return figures, consolidate_peak
+
+
+def trainer_run(pretrained: Path, work: Path, replicas: int, config_file: Path) -> Dict[str, Tuple[int, int, int]]:
+    """The Trainer script launched twice, as a user resumes: 2 steps and saves, then a resume."""
+    out, marks = work / "trainer", work / "trainer-marks.jsonl"
+    shutil.rmtree(out, ignore_errors=True)
+    marks.unlink(missing_ok=True)
+    config = launch_config(work, replicas, config_file)
+    first = launch(TRAINER_SCRIPT, [str(pretrained), str(out)], config, marks, work / "trainer.log")
+    figures = stage_figures(first, marks, TRAINER_STAGES)
+    marks.unlink()
+    resumed = launch(TRAINER_SCRIPT, [str(pretrained), str(out), "--resume"], config, marks, work / "resume.log")
+    figures.update(stage_figures(resumed, marks, TRAINER_STAGES))
+    figures["whole first run"] = (0, first.peak(), 0)
+    figures["whole resumed run"] = (0, resumed.peak(), 0)
+    shutil.rmtree(out, ignore_errors=True)
+    return figures
 
 
 def ddp_run(pretrained: Path, work: Path, replicas: int) -> Dict[str, Tuple[int, int, int]]:
@@ -214,7 +245,9 @@ def ddp_run(pretrained: Path, work: Path, replicas: int) -> Dict[str, Tuple[int,
         OMP_NUM_THREADS="1",
     )
     command = [str(BIN / "torchrun"), f"--nproc_per_node={replicas}", str(STAGES_SCRIPT), str(pretrained), str(out)]
-    return stage_figures(run_sampled(command, env, work / "ddp.log"), marks)
+    figures = stage_figures(run_sampled(command, env, work / "ddp.log"), marks)
+    shutil.rmtree(out, ignore_errors=True)
+    return figures
 
 
 def main() -> None:
@@ -232,6 +265,7 @@ def main() -> None:
     run_ddp = args.ddp == "yes" or (args.ddp == "auto" and ddp_fits)
     ours, consolidate_peak = xla_fsdp_run(pretrained, work, args.replicas, args.config_file)
     ddp: Optional[Dict[str, Tuple[int, int, int]]] = ddp_run(pretrained, work, args.replicas) if run_ddp else None
+    trainer = trainer_run(pretrained, work, args.replicas, args.config_file) if args.trainer else None
 
     def fmt(b: int) -> str:
         return f"{b / m:.1f} M"
@@ -258,6 +292,17 @@ def main() -> None:
     for stage in ("train", "step after load"):
         if stage in ours:
             print(f"{stage}: {(ours[stage][1] - base) / floor:.2f}x the floor above the process before loading")
+    if trainer:
+        print("\nthe Trainer (scripts/memory_trainer_stages.py), launched twice:\n")
+        print("| stage | peak | at rest after | peak above rest before |")
+        print("| --- | --- | --- | --- |")
+        for stage, (before, peak, after) in trainer.items():
+            if stage.startswith("whole"):
+                print(f"| {stage} | {fmt(peak)} | | |")
+            else:
+                print(f"| {stage} | {fmt(peak)} | {fmt(after)} | {fmt(peak - before)} |")
+        steps = max(trainer[s][1] for s in ("prepare + 2 steps", "step after resume") if s in trainer)
+        print(f"Trainer steps: {(steps - base) / floor:.2f}x the floor above the process before loading")
     if not run_ddp:
         why = (
             "--ddp no"

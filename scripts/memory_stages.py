@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,29 +32,39 @@ SEQ = 128
 STEPS = 2
 
 
-def main() -> None:
-    pretrained, out = sys.argv[1], sys.argv[2]
-    accelerator = Accelerator()
-    marks = os.environ["MEMORY_BENCH_MARKS"]
+class StageMarks:
+    """Appends ``{"stage", "edge", "time"}`` to ``MEMORY_BENCH_MARKS`` (main process) as a stage
+    begins and ends, every replica between two barriers; with XLA, after a sync."""
 
-    def mark(stage: str, edge: str) -> None:
-        if edge == "end" and os.environ.get("MEMORY_BENCH_ENGINE") != "ddp":
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.path = os.environ["MEMORY_BENCH_MARKS"]
+        self.xla = os.environ.get("MEMORY_BENCH_ENGINE") != "ddp"
+
+    def mark(self, stage: str, edge: str) -> None:
+        if edge == "end" and self.xla:
             # Run what the stage left pending: XLA runs a step's program only at the next sync,
             # and the training loop ends without one, so the last step ran (and peaked) inside
             # save_state's first collective, and the step after load never ran in its stage.
             import torch_xla
 
             torch_xla.sync()
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            with open(marks, "a") as f:
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
                 f.write(json.dumps({"stage": stage, "edge": edge, "time": time.time()}) + "\n")
 
-    def stage(name: str, fn):  # noqa: ANN001, ANN202
-        mark(name, "begin")
+    def stage(self, name: str, fn: Callable[[], Any]) -> Any:
+        self.mark(name, "begin")
         result = fn()
-        mark(name, "end")
+        self.mark(name, "end")
         return result
+
+
+def main() -> None:
+    pretrained, out = sys.argv[1], sys.argv[2]
+    accelerator = Accelerator()
+    stage = StageMarks(accelerator).stage
 
     model = stage("from_pretrained", lambda: AutoModelForCausalLM.from_pretrained(pretrained))
     vocab = model.config.vocab_size
