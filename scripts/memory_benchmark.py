@@ -189,18 +189,16 @@ def launch(script: Path, args: List[str], config: Path, marks: Path, log: Path) 
 
 
 def launch_config(work: Path, replicas: int, config_file: Path) -> Path:
+    """A copy of ``config_file`` in ``work`` that launches ``replicas`` processes."""
     config = work / "xla_fsdp.yaml"
     config.write_text(re.sub(r"(?m)^num_processes: *\d+", f"num_processes: {replicas}", config_file.read_text()))
     return config
 
 
-def xla_fsdp_run(
-    pretrained: Path, work: Path, replicas: int, config_file: Path
-) -> Tuple[Dict[str, Tuple[int, int, int]], int]:
+def xla_fsdp_run(pretrained: Path, work: Path, config: Path) -> Tuple[Dict[str, Tuple[int, int, int]], int]:
     out, marks = work / "fsdp", work / "fsdp-marks.jsonl"
     shutil.rmtree(out, ignore_errors=True)
     marks.unlink(missing_ok=True)
-    config = launch_config(work, replicas, config_file)
     sampler = launch(STAGES_SCRIPT, [str(pretrained), str(out)], config, marks, work / "fsdp.log")
     figures = stage_figures(sampler, marks)
     consolidated = work / "consolidated"
@@ -214,21 +212,19 @@ def xla_fsdp_run(
     return figures, consolidate_peak
 
 
-def trainer_run(pretrained: Path, work: Path, replicas: int, config_file: Path) -> Dict[str, Tuple[int, int, int]]:
-    """The Trainer script launched twice, as a user resumes: 2 steps and saves, then a resume."""
+def trainer_run(pretrained: Path, work: Path, config: Path) -> Tuple[Dict[str, Tuple[int, int, int]], List[int]]:
+    """The Trainer script launched twice, as a user resumes: 2 steps and saves, then a resume.
+    Returns each stage's figures and each launch's whole peak."""
     out, marks = work / "trainer", work / "trainer-marks.jsonl"
     shutil.rmtree(out, ignore_errors=True)
     marks.unlink(missing_ok=True)
-    config = launch_config(work, replicas, config_file)
     first = launch(TRAINER_SCRIPT, [str(pretrained), str(out)], config, marks, work / "trainer.log")
     figures = stage_figures(first, marks, TRAINER_STAGES)
     marks.unlink()
     resumed = launch(TRAINER_SCRIPT, [str(pretrained), str(out), "--resume"], config, marks, work / "resume.log")
     figures.update(stage_figures(resumed, marks, TRAINER_STAGES))
-    figures["whole first run"] = (0, first.peak(), 0)
-    figures["whole resumed run"] = (0, resumed.peak(), 0)
     shutil.rmtree(out, ignore_errors=True)
-    return figures
+    return figures, [first.peak(), resumed.peak()]
 
 
 def ddp_run(pretrained: Path, work: Path, replicas: int) -> Dict[str, Tuple[int, int, int]]:
@@ -263,9 +259,10 @@ def main() -> None:
     floor = 4 * m + args.replicas * largest_unit * 4
     ddp_fits = DDP_HOLDS_M * m < psutil.virtual_memory().available * 0.9
     run_ddp = args.ddp == "yes" or (args.ddp == "auto" and ddp_fits)
-    ours, consolidate_peak = xla_fsdp_run(pretrained, work, args.replicas, args.config_file)
+    config = launch_config(work, args.replicas, args.config_file)
+    ours, consolidate_peak = xla_fsdp_run(pretrained, work, config)
     ddp: Optional[Dict[str, Tuple[int, int, int]]] = ddp_run(pretrained, work, args.replicas) if run_ddp else None
-    trainer = trainer_run(pretrained, work, args.replicas, args.config_file) if args.trainer else None
+    trainer = trainer_run(pretrained, work, config) if args.trainer else None
 
     def fmt(b: int) -> str:
         return f"{b / m:.1f} M"
@@ -293,15 +290,15 @@ def main() -> None:
         if stage in ours:
             print(f"{stage}: {(ours[stage][1] - base) / floor:.2f}x the floor above the process before loading")
     if trainer:
+        stages, whole = trainer
         print("\nthe Trainer (scripts/memory_trainer_stages.py), launched twice:\n")
         print("| stage | peak | at rest after | peak above rest before |")
         print("| --- | --- | --- | --- |")
-        for stage, (before, peak, after) in trainer.items():
-            if stage.startswith("whole"):
-                print(f"| {stage} | {fmt(peak)} | | |")
-            else:
-                print(f"| {stage} | {fmt(peak)} | {fmt(after)} | {fmt(peak - before)} |")
-        steps = max(trainer[s][1] for s in ("prepare + 2 steps", "step after resume") if s in trainer)
+        for stage, (before, peak, after) in stages.items():
+            print(f"| {stage} | {fmt(peak)} | {fmt(after)} | {fmt(peak - before)} |")
+        for run, peak in zip(("first", "resumed"), whole):
+            print(f"| whole {run} run | {fmt(peak)} | | |")
+        steps = max(stages[s][1] for s in ("prepare + 2 steps", "step after resume") if s in stages)
         print(f"Trainer steps: {(steps - base) / floor:.2f}x the floor above the process before loading")
     if not run_ddp:
         why = (
