@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import uuid
 from contextlib import nullcontext
 from typing import Any, Dict, Iterator, List
 from unittest import mock
@@ -56,6 +57,12 @@ def s3() -> Iterator[str]:
     fsspec.filesystem("s3").mkdir(BUCKET)
     yield endpoint
     server.stop()
+
+
+def fresh(prefix: str) -> str:
+    """A prefix no earlier attempt used: a test run again after a device process's SIGSEGV
+    (pyproject's --reruns) must not find the files of its first attempt in the module's bucket."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def bucket_files(prefix: str) -> List[str]:
@@ -114,12 +121,13 @@ def assert_equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None
 
 @pytest.fixture(scope="module")
 def in_bucket(pools, s3) -> Dict[str, Any]:
-    url = f"s3://{BUCKET}/run/ckpt"
-    return {"url": url, **pools[2].run(save_train_on, 2, s3, url)[0]}
+    prefix = fresh("run/ckpt")
+    url = f"s3://{BUCKET}/{prefix}"
+    return {"url": url, "prefix": prefix, **pools[2].run(save_train_on, 2, s3, url)[0]}
 
 
 def test_a_save_into_a_bucket_resumes_bit_for_bit_and_reshards(pools, s3, in_bucket, tmp_path, monkeypatch) -> None:
-    assert bucket_files("run/ckpt") == [
+    assert bucket_files(in_bucket["prefix"]) == [
         "save-000000/checkpoint.json",
         "save-000000/rank-00000-of-00002.safetensors",
         "save-000000/rank-00001-of-00002.safetensors",
@@ -153,12 +161,14 @@ def test_consolidate_streams_from_the_bucket_into_a_folder_and_a_bucket(s3, in_b
     assert_equal(loaded, {k: in_bucket["saved"][k] for k in loaded})
     # Ranged reads only: headers, then pieces of tensors (the checksums' reads are one buffer).
     assert reads and max(reads) <= 32 * 2**20
-    size = sum(fsspec.filesystem("s3").size(f"{BUCKET}/run/ckpt/{f}") for f in bucket_files("run/ckpt") if "rank" in f)
+    ranks = [f for f in bucket_files(in_bucket["prefix"]) if "rank" in f]
+    size = sum(fsspec.filesystem("s3").size(f"{BUCKET}/{in_bucket['prefix']}/{f}") for f in ranks)
     assert max(reads) < size / 2
-    url = f"s3://{BUCKET}/run/hf"
+    hf = fresh("run/hf")
+    url = f"s3://{BUCKET}/{hf}"
     assert cli.main(["consolidate", in_bucket["url"], url, "--config", str(config), "--no-progress"]) == 0
-    assert bucket_files("run/hf") == ["config.json", "model.safetensors"]
-    fsspec.filesystem("s3").get(f"{BUCKET}/run/hf/model.safetensors", str(tmp_path / "m.safetensors"))
+    assert bucket_files(hf) == ["config.json", "model.safetensors"]
+    fsspec.filesystem("s3").get(f"{BUCKET}/{hf}/model.safetensors", str(tmp_path / "m.safetensors"))
     assert_equal(load_file(tmp_path / "m.safetensors"), load_file(out / "model.safetensors"))
     # A bucket location holding a model is refused (it cannot be replaced all at once).
     code = cli.main(["consolidate", in_bucket["url"], url, "--overwrite", "--no-progress"])
@@ -197,7 +207,7 @@ def load_then_save(rank: int, world: int, endpoint: str, url: str) -> Dict[str, 
 
 @pytest.mark.parametrize("point", ["uploading rank files", "before the commit", "after the commit"])
 def test_a_save_killed_in_a_bucket_leaves_the_previous_one_and_the_next_cleans_up(pools, s3, in_bucket, point) -> None:
-    url = f"s3://{BUCKET}/killed/{point.replace(' ', '-')}"
+    url = f"s3://{BUCKET}/{fresh('killed/' + point.replace(' ', '-'))}"
     with pytest.raises(ReplicaError, match="SIGKILL"):
         pools[2].run(save_killed, 2, s3, url, point)
     found = find_saves(url)
@@ -270,7 +280,8 @@ KILLS = [
 
 @pytest.mark.parametrize("where, point", KILLS, ids=lambda v: v.replace(" ", "_").replace("'", ""))
 def test_a_killed_save_state_leaves_the_previous_one_and_the_next_cleans_up(pools, s3, tmp_path, where, point) -> None:
-    folder = str(tmp_path / "state") if where == "local" else f"s3://{BUCKET}/state/{point.replace(' ', '-')}"
+    bucket = f"s3://{BUCKET}/{fresh('state/' + point.replace(' ', '-'))}"
+    folder = str(tmp_path / "state") if where == "local" else bucket
     fs, path = fsspec.core.url_to_fs(folder)
     fs.makedirs(path, exist_ok=True)  # a bucket has no folders: nothing to make there
     fs.pipe_file(f"{path}/notes.txt", b"the user's")
@@ -380,7 +391,7 @@ def test_a_read_only_bucket_ends_the_save_naming_the_location(pools, s3, in_buck
     arn = iam.create_policy(PolicyName="read-only", PolicyDocument=json.dumps(policy))["Policy"]["Arn"]
     iam.attach_user_policy(UserName="reader", PolicyArn=arn)
     key = iam.create_access_key(UserName="reader")["AccessKey"]
-    before = bucket_files("run/ckpt")
+    before = bucket_files(in_bucket["prefix"])
     settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # the server checks every request's permissions from here
     try:
         messages = pools[2].run(save_read_only, 2, s3, in_bucket["url"], key)
@@ -390,7 +401,7 @@ def test_a_read_only_bucket_ends_the_save_naming_the_location(pools, s3, in_buck
         messages[0] == f"{in_bucket['url']}/save-000001/started.json: cannot write it (PermissionError: Access Denied)"
     )
     assert "rank(s) [0] could not prepare the save (nothing was written)" in messages[1]
-    assert bucket_files("run/ckpt") == before
+    assert bucket_files(in_bucket["prefix"]) == before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,8 +459,8 @@ def test_two_hosts_without_a_shared_filesystem(pools, tmp_path, monkeypatch, cap
 def test_loads_skip_an_incomplete_save_and_name_it(in_bucket, tmp_path, caplog) -> None:
     memory = fsspec.filesystem("memory")
     s3fs = fsspec.filesystem("s3")
-    for f in bucket_files("run/ckpt"):
-        memory.pipe_file(f"/incomplete/ckpt/{f}", s3fs.cat_file(f"{BUCKET}/run/ckpt/{f}"))
+    for f in bucket_files(in_bucket["prefix"]):
+        memory.pipe_file(f"/incomplete/ckpt/{f}", s3fs.cat_file(f"{BUCKET}/{in_bucket['prefix']}/{f}"))
     for f in ("started.json", "rank-00000-of-00002.safetensors"):  # a newer save, killed midway
         memory.pipe_file(f"/incomplete/ckpt/save-000001/{f}", memory.cat_file(f"/incomplete/ckpt/save-000000/{f}"))
     ckpt = ShardedCheckpoint("memory://incomplete/ckpt")
@@ -527,14 +538,15 @@ def accelerate_in_bucket(rank: int, world: int, endpoint: str, project: str, loc
 
 
 def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3, tmp_path) -> None:
-    project = f"s3://{BUCKET}/acc"
+    prefix = fresh("acc")
+    project = f"s3://{BUCKET}/{prefix}"
     results = pools[2].run(accelerate_in_bucket, 2, s3, project, str(tmp_path / "llama"))
     first = results[0]
     assert not any(r["local"] for r in results)  # nothing written to a local ./s3:/ folder
     assert_equal(first["loaded"], first["states"][2])
     assert first["iteration"] == 3
     assert not torch.equal(first["states"][1]["0.weight"], first["states"][2]["0.weight"])
-    files = bucket_files("acc")
+    files = bucket_files(prefix)
     folders = sorted({f.split("/")[1] for f in files if f.startswith("checkpoints/")})
     assert folders == ["checkpoint_1", "checkpoint_2"]  # total_limit=2: checkpoint_0 removed
     for folder in folders:
@@ -552,14 +564,14 @@ def test_accelerate_save_state_load_state_and_save_model_in_a_bucket(pools, s3, 
     assert "model/model.safetensors" in files
     # consolidate takes the folder given to save_state: its complete save's first model.
     assert cli.main(["consolidate", f"{project}/explicit", f"{project}/explicit-hf", "--no-progress"]) == 0
-    assert bucket_files("acc/explicit-hf") == ["model.safetensors"]
+    assert bucket_files(f"{prefix}/explicit-hf") == ["model.safetensors"]
     # save_model of a transformers model to a URL: what the local save_model writes, file for file
     # (sharded: 40KB) and tensor for tensor, the tied lm_head left out; it loads.
     local = tmp_path / "llama"
-    assert bucket_files("acc/llama") == sorted(p.name for p in local.iterdir())
-    assert "model.safetensors.index.json" in bucket_files("acc/llama")
-    fsspec.filesystem("s3").get(f"{BUCKET}/acc/llama/", str(tmp_path / "from-bucket"), recursive=True)
-    for name in bucket_files("acc/llama"):
+    assert bucket_files(f"{prefix}/llama") == sorted(p.name for p in local.iterdir())
+    assert "model.safetensors.index.json" in bucket_files(f"{prefix}/llama")
+    fsspec.filesystem("s3").get(f"{BUCKET}/{prefix}/llama/", str(tmp_path / "from-bucket"), recursive=True)
+    for name in bucket_files(f"{prefix}/llama"):
         if name.endswith(".safetensors"):
             assert_equal(load_file(tmp_path / "from-bucket" / name), load_file(local / name))
         else:  # the same JSON; the index's total_parameters that of the model (the local one counts shards)
