@@ -6,13 +6,17 @@ save_function=accelerator.save)``), ``load_state``, one more step. ``MEMORY_BENC
 runs it on Accelerate's own ``Accelerator`` (for ``torchrun`` with gloo), else on
 accel_xla_fsdp's (under ``accelerate launch``). The main process appends a line of JSON to
 ``MEMORY_BENCH_MARKS`` as each stage begins and ends (every replica between two barriers; with
-XLA, after a sync: a stage's figure includes the programs it traced).
+XLA, after a sync: a stage's figure includes the programs it traced). ``MEMORY_BENCH_CENSUS=1``
+also prints, as each stage ends, what Python holds on the XLA devices against what the process
+holds once glibc has given back what it can (docs/accelerate.md, "What training holds beyond its
+program").
 
     accelerate launch --config_file CONFIG scripts/memory_stages.py PRETRAINED_DIR OUT_DIR
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -50,6 +54,8 @@ class StageMarks:
 
             torch_xla.sync()
         self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process and edge == "end" and os.environ.get("MEMORY_BENCH_CENSUS"):
+            print(f"census, {stage}: {census()}", flush=True)
         if self.accelerator.is_main_process:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"stage": stage, "edge": edge, "time": time.time()}) + "\n")
@@ -59,6 +65,20 @@ class StageMarks:
         result = fn()
         self.mark(name, "end")
         return result
+
+
+def census() -> str:
+    """Every XLA tensor Python holds (all replicas: they are threads of this process), in GiB, and
+    the process's resident memory after ``malloc_trim(0)``."""
+    from accel_xla_fsdp.host_memory import give_back
+
+    gc.collect()
+    xla = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "xla"]
+    held = sum(t.numel() * t.element_size() for t in xla)
+    give_back()
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return f"{len(xla)} XLA tensors of {held / 2**30:.3f} GiB; process {rss / 2**30:.3f} GiB after malloc_trim"
 
 
 def main() -> None:
