@@ -15,13 +15,15 @@ from test_trainer import by_step, launch, on_cpu
 SCRIPT = Path(script.__file__)
 
 
-def both(tmp: Path, task: str) -> Dict:
+def both(tmp: Path, out: Path, task: str) -> Dict:
+    """Both runs of ``task``, into the test's own ``out`` (a rerun after a SIGSEGV starts clean);
+    the models, made once, in the module's ``tmp``."""
     models = tmp / "models"
     if not models.is_dir():
         script.save_models(models)
-    cpu = on_cpu(tmp / f"cpu_{task}.json", models, tmp / f"cpu_{task}", "--task", task, script=SCRIPT)
-    xla = launch(tmp / f"xla_{task}.json", models, tmp / f"xla_{task}", "--task", task, script=SCRIPT)
-    return {"cpu": cpu, "xla": xla, "tmp": tmp}
+    cpu = on_cpu(out / f"cpu_{task}.json", models, out / f"cpu_{task}", "--task", task, script=SCRIPT)
+    xla = launch(out / f"xla_{task}.json", models, out / f"xla_{task}", "--task", task, script=SCRIPT)
+    return {"cpu": cpu, "xla": xla}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def assert_same_history(cpu: Dict, xla: Dict, keys: tuple) -> None:
             assert ours[step] == pytest.approx(theirs[step], rel=1e-5, abs=1e-7), (key, step, ours[step], theirs[step])
 
 
-def test_seq2seq_predict_with_generate(tmp) -> None:
-    runs = both(tmp, "seq2seq")
+def test_seq2seq_predict_with_generate(tmp, tmp_path) -> None:
+    runs = both(tmp, tmp_path, "seq2seq")
     cpu, xla = runs["cpu"], runs["xla"]
     assert xla["world"] == 4
     assert_same_history(cpu, xla, ("loss", "grad_norm", "eval_loss", "eval_token_accuracy", "eval_token_sum"))
@@ -50,8 +52,8 @@ def test_seq2seq_predict_with_generate(tmp) -> None:
         assert xla["metrics"][key] == pytest.approx(cpu["metrics"][key], rel=1e-5)
 
 
-def test_classification_compute_metrics_and_best_model(tmp) -> None:
-    runs = both(tmp, "classify")
+def test_classification_compute_metrics_and_best_model(tmp, tmp_path) -> None:
+    runs = both(tmp, tmp_path, "classify")
     cpu, xla = runs["cpu"], runs["xla"]
     assert_same_history(cpu, xla, ("loss", "grad_norm", "eval_loss", "eval_accuracy"))
     assert set(by_step(xla, "eval_rows").values()) == {14.0}, "gather_for_metrics drops the padding rows"
@@ -62,5 +64,5 @@ def test_classification_compute_metrics_and_best_model(tmp) -> None:
     assert Path(xla["best_model_checkpoint"]).name == Path(cpu["best_model_checkpoint"]).name == "checkpoint-2"
     assert xla["final"]["eval_loss"] == eval_losses[2]
     assert xla["final"]["eval_accuracy"] == cpu["final"]["eval_accuracy"]
-    kept = sorted(p.name for p in (tmp / "xla_classify").iterdir())
-    assert kept == sorted(p.name for p in (tmp / "cpu_classify").iterdir()) and "checkpoint-2" in kept
+    kept = sorted(p.name for p in (tmp_path / "xla_classify").iterdir())
+    assert kept == sorted(p.name for p in (tmp_path / "cpu_classify").iterdir()) and "checkpoint-2" in kept
