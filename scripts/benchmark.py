@@ -540,7 +540,7 @@ def run_one(variant: str, n: int, s: Settings, dumps: str, timeout_s: float) -> 
     ``dumps``: "off" (times only), "on" (the compiler writes a dump, read and deleted), "keep".
     """
     dump = Path(tempfile.mkdtemp(prefix=f"bench-{variant}-{n}-")) if dumps != "off" else None
-    env = {"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"} if dump else {}
+    env = {"XLA_FLAGS": _xla.cpu_xla_flags(f"--xla_dump_to={dump} --xla_dump_hlo_as_text")} if dump else {}
     row, start = Row(variant, n, dumped=dump is not None), time.perf_counter()
     try:
         if VARIANTS[variant].kind == "spmd":
