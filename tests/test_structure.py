@@ -85,6 +85,21 @@ def test_launcher_exports_the_config_as_the_settings_variables(tmp_path: Path, m
     assert from_file["min_num_params"] == 1000 and from_file["reshard_after_forward"] is False
 
 
+def test_launcher_puts_its_xla_flags_before_the_users(tmp_path: Path, monkeypatch) -> None:
+    """torch_xla's import sets XLA_FLAGS itself, so ours join it, first ([Note: XNNPACK keeps the
+    weights]): a user's flag after ours wins."""
+    config = tmp_path / "config.yaml"
+    config.write_text("distributed_type: XLA\nnum_processes: 2\n")
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the launcher exports goes with the test
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_xnnpack=true --xla_dump_to=/somewhere")
+    monkeypatch.setattr(sys, "argv", ["accelerate", "launch", "--config_file", str(config), "train.py"])
+    launch.export_launch_settings()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_xnnpack=false --xla_cpu_use_xnnpack=true --xla_dump_to=/somewhere"
+    monkeypatch.setenv("XLA_FLAGS", "")
+    launch.export_launch_settings()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_xnnpack=false"
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

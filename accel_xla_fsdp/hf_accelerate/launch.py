@@ -50,7 +50,10 @@ def export_launch_settings() -> None:
     if arguments is None:
         return
     for name, value in launch_environment(arguments).items():
-        os.environ.setdefault(name, value)  # the user's own environment wins
+        if name == "XLA_FLAGS":  # already ours, then the user's (and torch_xla's import's) own
+            os.environ[name] = value
+        else:
+            os.environ.setdefault(name, value)  # the user's own environment wins
 
 
 def launch_environment(arguments: List[str]) -> Dict[str, str]:
