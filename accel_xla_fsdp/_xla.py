@@ -164,11 +164,11 @@ def default_shard_size_multiple() -> int:
 # pool of XNNPACK runtimes for the life of the program, one per device that ran it at once
 # (xla/backends/cpu/runtime/xnnpack/xnn_dot_thunk.cc), and what a runtime keeps is sized by the
 # dot's operands: the full, gathered weights. So every device held about 0.3 M (M the whole
-# model's size) after training, for good. Measured with scripts/memory_stages.py's census at hidden 2048, 4 layers, 4
-# replicas: the process held 5.55 GiB after training with XNNPACK, 4.50 without, where the live
-# shards and moments and the process before loading were 4.29 (docs/accelerate.md). A TPU has no
-# XNNPACK: this is the emulation's memory only. The user's own XLA_FLAGS come after ours, so they
-# can set it back.
+# model's size) after training, for good. Measured by scripts/memory_stages.py's census at hidden
+# 2048, 4 layers, 4 replicas: the process held 5.55 GiB after training with XNNPACK, 4.50
+# without, where the live shards and moments and the process before loading were 4.29
+# (docs/accelerate.md). A TPU has no XNNPACK: this is the emulation's memory only. The user's own
+# XLA_FLAGS come after ours, so they can set it back.
 CPU_XLA_FLAGS = "--xla_cpu_use_xnnpack=false"
 
 
