@@ -172,25 +172,24 @@ def default_shard_size_multiple() -> int:
 CPU_XLA_FLAGS = "--xla_cpu_use_xnnpack=false"
 
 
-def cpu_xla_flags(flags: str = "") -> str:
-    """``XLA_FLAGS`` for XLA:CPU devices: ours, then ``flags`` (a caller's or the user's)."""
-    return f"{CPU_XLA_FLAGS} {flags}".strip()
-
-
-def cpu_device_env(num_devices: int) -> dict:
-    """The environment N XLA:CPU devices in one process need (see the platform note).
+def cpu_device_env(num_devices: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment N XLA:CPU devices in one process need (see the platform note), with a
+    caller's ``extra`` variables.
 
     ``PJRT_CPU_ASYNC_CLIENT=0``: with the asynchronous client, multi-step runs abort at a random
     step when one replica never reaches a rendezvous. ``XLA_THREAD_POOL_SIZE``: with the default
-    pool, 4 devices on 2 cores abort at the first collective. ``XLA_FLAGS``: the user's, after
-    ours ([Note: XNNPACK keeps the weights]).
+    pool, 4 devices on 2 cores abort at the first collective. ``XLA_FLAGS``: ours, then the
+    caller's in ``extra`` or else the environment's ([Note: XNNPACK keeps the weights]).
     """
+    extra = dict(extra or {})
+    flags = extra.pop("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     return {
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(num_devices),
         "PJRT_CPU_ASYNC_CLIENT": "0",
         "XLA_THREAD_POOL_SIZE": str(max(16, 4 * num_devices)),
-        "XLA_FLAGS": cpu_xla_flags(os.environ.get("XLA_FLAGS", "")),
+        "XLA_FLAGS": f"{CPU_XLA_FLAGS} {flags}".strip(),
+        **extra,
     }
 
 

@@ -128,10 +128,7 @@ class DevicePool:
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}")
         self.num_devices = num_devices
-        env = dict(env or {})
-        if "XLA_FLAGS" in env:  # a caller's flags (dumps) join ours
-            env["XLA_FLAGS"] = _xla.cpu_xla_flags(env["XLA_FLAGS"])
-        self.env = {**_xla.cpu_device_env(num_devices), **env}
+        self.env = _xla.cpu_device_env(num_devices, env)
         self.sync_timeout_s = sync_timeout_s
         self._process: Optional[multiprocessing.process.BaseProcess] = None
         self._conn: Optional[Connection] = None

@@ -540,11 +540,11 @@ def run_one(variant: str, n: int, s: Settings, dumps: str, timeout_s: float) -> 
     ``dumps``: "off" (times only), "on" (the compiler writes a dump, read and deleted), "keep".
     """
     dump = Path(tempfile.mkdtemp(prefix=f"bench-{variant}-{n}-")) if dumps != "off" else None
-    env = {"XLA_FLAGS": _xla.cpu_xla_flags(f"--xla_dump_to={dump} --xla_dump_hlo_as_text")} if dump else {}
+    env = {"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"} if dump else {}
     row, start = Row(variant, n, dumped=dump is not None), time.perf_counter()
     try:
         if VARIANTS[variant].kind == "spmd":
-            per_rank = [run_spmd(n, s, dump, {**_xla.cpu_device_env(n), **env}, timeout_s)]
+            per_rank = [run_spmd(n, s, dump, _xla.cpu_device_env(n, env), timeout_s)]
         else:
             per_rank = accel_xla_fsdp.run_on_devices(replica, n, args=(variant, s, dump and str(dump)), env=env)
         row.process_s = time.perf_counter() - start
