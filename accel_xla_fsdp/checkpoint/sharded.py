@@ -123,6 +123,7 @@ def save_sharded(
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
         error = e
     tensors.clear()
+    host_memory.give_back()  # the shards' host copies, written (the Trainer's checkpoints come here)
     slots = [0] * (_CONFIRM * world)
     slots[rank * _CONFIRM : (rank + 1) * _CONFIRM] = confirmed
     agreed = sum_over_replicas(slots)  # every rank's file is in the store, its size and checksum known
