@@ -12,7 +12,7 @@ With ``--trainer``, also scripts/memory_trainer_stages.py, the transformers ``Tr
 that write ``checkpoint-2``, ``save_model``, then a second launch that resumes for one more step.
 
     .venv/bin/python scripts/memory_benchmark.py --preset 0.16b
-    .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --layers 20 --ddp no   # 1.0 B, 23 GiB: alone
+    .venv/bin/python scripts/memory_benchmark.py --preset 1.1b --ddp no   # TinyLlama, 19 GiB: alone
     .venv/bin/python scripts/memory_benchmark.py --hidden 512 --intermediate 1376 --layers 4 --heads 8 --kv-heads 8
     .venv/bin/python scripts/memory_benchmark.py --preset 0.48b --config_file MY_CONFIG.yaml   # other plugin settings
     .venv/bin/python scripts/memory_benchmark.py --preset 0.16b --trainer   # and the Trainer
