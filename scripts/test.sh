@@ -4,9 +4,7 @@
 # Two pytest workers (pytest-xdist) by default: most of the suite waits on one thread (imports,
 # single-threaded XLA compiles, launched runs), so one worker keeps a 2-core machine about 1.2 cores
 # busy. `--dist loadfile` runs each file in one worker, so a module fixture's launched run is made
-# once. xdist would queue the files with the most tests first, which put the few longest ones
-# (TRL, the Trainer's tasks) last; --no-loadscope-reorder keeps conftest.py's order, longest first.
-# TEST_WORKERS=0 runs everything in this process (for pdb or -s); TEST_WORKERS=N, N workers.
+# once. TEST_WORKERS=0 runs everything in this process (for pdb or -s); TEST_WORKERS=N, N workers.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/ensure_venv.sh
@@ -15,7 +13,7 @@ status=0
 workers="${TEST_WORKERS:-2}"
 parallel=()
 if [[ $workers != 0 ]]; then
-    parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+    parallel=(-n "$workers" --dist loadfile)
 fi
 .venv/bin/python -m pytest -q -rA "${parallel[@]}" "$@" || status=$?
 if [[ $status -eq 5 ]]; then

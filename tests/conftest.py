@@ -28,28 +28,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--quick", action="store_true", help="only the quick tier (tests/quick_tier.py)")
 
 
-# The files with the longest launched runs and compiles, longest first. scripts/test.sh hands
-# files to the two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so
-# these start first and the short files fill in behind them. xdist's own order (most tests
-# first) put them last, and one worker ran on alone at the end.
-SLOWEST_FILES = (
-    "test_trl.py",
-    "test_trainer_tasks.py",
-    "test_tpu_programs.py",
-    "test_unwrapped_generate.py",
-    "test_trainer.py",
-    "test_training_loop.py",
-    "test_parity.py",
-)
-
-
-def slowest_first(item: pytest.Item) -> int:
-    name = Path(item.path).name
-    return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    items.sort(key=slowest_first)  # stable: each file keeps its own order
     if not config.getoption("--quick"):
         return
     tests = Path(__file__).parent
