@@ -159,6 +159,23 @@ def default_shard_size_multiple() -> int:
     return TPU_SHARD_MULTIPLE if platform() == "TPU" else 1
 
 
+def dim0_rows_multiple(row_numel: int) -> int:
+    """Pad each replica's part of a dim-0 shard to a multiple of this many rows
+    (``shard_param_on_dim_0``; a row is ``row_numel`` elements).
+
+    On a TPU, whole (16, 128) tiles, so that the gradient's reduce-scatter stays one ([Note: TPU
+    reduce-scatter shapes]): 16 rows of a width that is a multiple of 128 (reduce-scattered in its
+    own rows); of any other width (a 1-D parameter's rows are single elements) enough rows for
+    whole tiles of 2048 elements (reduce-scattered as (-1, 128) rows). Elsewhere torch_xla's rule:
+    the parts only need to be equal.
+    """
+    if platform() != "TPU":
+        return 1
+    if row_numel % TPU_ROW == 0:
+        return TPU_TILE_ROWS
+    return TPU_SHARD_MULTIPLE // math.gcd(row_numel, TPU_SHARD_MULTIPLE)
+
+
 # [Note: XNNPACK keeps the weights]
 # XLA:CPU runs an f32 dot through XNNPACK when it can (--xla_cpu_use_xnnpack). Such a dot keeps a
 # pool of XNNPACK runtimes for the life of the program, one per device that ran it at once
@@ -493,9 +510,15 @@ def reduce_scatter_sum(
             use_global_device_ids=True,
         )
     groups = _explicit_groups(groups)
-    if tensor.dim() == 1 and tensor.numel() % (shard_count * TPU_ROW) == 0:
-        return _reduce_scatter_rows(tensor, shard_count, scale, groups, pin_layout).view(-1)
-    return _native_reduce_scatter(tensor, shard_count, scale, groups, pin_layout)
+    width = tensor[0].numel() if tensor.dim() > 1 else 1
+    if width % TPU_ROW == 0 and tensor.size(0) % shard_count == 0:
+        # A gradient of dim-0 shards, in its own rows: as (-1, 128) rows it is relaid out whole first.
+        rows = tensor.view(tensor.size(0), width)
+    elif tensor.numel() % (shard_count * TPU_ROW) == 0:
+        rows = tensor.reshape(-1, TPU_ROW)
+    else:
+        return _native_reduce_scatter(tensor, shard_count, scale, groups, pin_layout)
+    return _reduce_scatter_rows(rows, shard_count, scale, groups, pin_layout).view(-1, *tensor.shape[1:])
 
 
 def _native_reduce_scatter(
@@ -527,7 +550,10 @@ def _native_reduce_scatter(
 # reduce-scattered as rows in chunks of at most TPU_REDUCE_SCATTER_CHUNK_TILES whole tiles of each
 # chip's part (below every L measured: k = 1), as equal as whole tiles allow; each chunk takes the
 # same rows of every replica's part, so the chunks' results, joined, are this replica's shard.
-# Shards are padded to whole tiles on a TPU (default_shard_size_multiple).
+# The rows are the gradient's own where they are a multiple of 128 elements wide (dim-0 shards):
+# reshaped to (-1, 128) a 2-D gradient is relaid out whole first (the TPU tiles both dims), one
+# more full gradient in memory (lm_head's at the peak of issue 25's step: docs/tpu.md).
+# Shards are padded to whole tiles on a TPU (default_shard_size_multiple, dim0_rows_multiple).
 TPU_ROW = 128
 TPU_TILE_ROWS = 16
 TPU_SHARD_MULTIPLE = TPU_TILE_ROWS * TPU_ROW
@@ -535,20 +561,24 @@ TPU_REDUCE_SCATTER_CHUNK_TILES = 128
 
 
 def _reduce_scatter_rows(
-    flat: torch.Tensor, shard_count: int, scale: float, groups: List[List[int]], pin_layout: bool
+    rows: torch.Tensor, shard_count: int, scale: float, groups: List[List[int]], pin_layout: bool
 ) -> torch.Tensor:
-    """``flat``'s reduce-scatter as (-1, 128) rows (this replica's shard as rows)."""
-    rows = flat.view(shard_count, -1, TPU_ROW)  # replica r's part of the result is rows[r]
-    tiles = math.ceil(rows.size(1) / TPU_TILE_ROWS)
-    chunks = math.ceil(tiles / TPU_REDUCE_SCATTER_CHUNK_TILES)
+    """The reduce-scatter of ``rows`` (2-D, rows a multiple of 128 elements wide) along dim 0, in
+    chunks of at most TPU_REDUCE_SCATTER_CHUNK_TILES tiles' elements of each replica's part."""
+    width = rows.size(1)
+    parts = rows.view(shard_count, -1, width)  # replica r's part of the result is parts[r]
+    chunk_rows = TPU_REDUCE_SCATTER_CHUNK_TILES * TPU_SHARD_MULTIPLE // width
+    chunk_rows = max(TPU_TILE_ROWS, chunk_rows - chunk_rows % TPU_TILE_ROWS)  # whole tiles
+    tiles = math.ceil(parts.size(1) / TPU_TILE_ROWS)
+    chunks = math.ceil(tiles / (chunk_rows // TPU_TILE_ROWS))
     if chunks == 1:
-        return _native_reduce_scatter(flat.view(-1, TPU_ROW), shard_count, scale, groups, pin_layout)
-    step = math.ceil(tiles / chunks) * TPU_TILE_ROWS  # whole tiles per chunk
-    parts = [
-        _native_reduce_scatter(rows[:, a : a + step].reshape(-1, TPU_ROW), shard_count, scale, groups, pin_layout)
-        for a in range(0, rows.size(1), step)
+        return _native_reduce_scatter(rows, shard_count, scale, groups, pin_layout)
+    step = math.ceil(tiles / chunks) * TPU_TILE_ROWS  # as equal as whole tiles allow
+    reduced = [
+        _native_reduce_scatter(parts[:, a : a + step].reshape(-1, width), shard_count, scale, groups, pin_layout)
+        for a in range(0, parts.size(1), step)
     ]
-    return torch.cat(parts)
+    return torch.cat(reduced)
 
 
 def all_gather_coalesced(tensors: Sequence[torch.Tensor], groups: Groups, pin_layout: bool) -> List[torch.Tensor]:

@@ -117,8 +117,12 @@ class FsdpOptions:
     sharding_world_size: Optional[int] = _option(None, "The size of each sharding group.")
     shard_param_on_dim_0: bool = _option(
         False,
-        "Without flattening, shard each parameter along dim 0, keeping its trailing shape.",
+        "Without flattening, shard each parameter along dim 0, keeping its trailing shape. "
+        "Accelerate's default (None): on a TPU unless flatten_parameters is set (each gradient is "
+        "then reduce-scattered in its own rows, where a 1-D shard's is first relaid out whole: "
+        "docs/tpu.md, 532 against 841 MB per chip on issue 25's Llama in fp32); elsewhere off.",
         accelerate="xla_fsdp_shard_param_on_dim_0",
+        accelerate_default=None,
     )
     pin_layout_in_collective_ops: bool = _option(
         False,

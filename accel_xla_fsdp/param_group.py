@@ -115,8 +115,12 @@ class ShardedParamGroup:
         return flat[0] if len(flat) == 1 else torch.cat(flat)
 
     def _pad(self, full: torch.Tensor) -> torch.Tensor:
-        """Pad dim 0 so that it splits evenly (and, flat, into shard_size_multiple tiles)."""
-        multiple = self.sharding.world_size * (1 if self.spec.dim0 else self.options.shard_size_multiple)
+        """Pad dim 0 so that it splits evenly (flat: into shard_size_multiple tiles; dim 0: into
+        the platform's rows, ``_xla.dim0_rows_multiple``)."""
+        if self.spec.dim0:
+            multiple = self.sharding.world_size * _xla.dim0_rows_multiple(full[0].numel() if full.dim() > 1 else 1)
+        else:
+            multiple = self.sharding.world_size * self.options.shard_size_multiple
         missing = -full.size(0) % multiple
         if missing == 0:
             return full

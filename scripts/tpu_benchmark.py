@@ -1,12 +1,13 @@
 """Bytes per chip of one training step as the TPU compiler plans it: ours against torch_xla's FSDPs.
 
 One run traces, for each topology and precision, the same training step (forward, backward, AdamW
-with its state present) of issue 25's Llama four ways, compiles each with libtpu for the topology
+with its state present) of issue 25's Llama five ways, compiles each with libtpu for the topology
 (``accel_xla_fsdp/tpu_compiler.py`` in ``.tpu-venv``), and prints a table of MB per chip
 (argument, output, alias, temp, peak) and collectives, and draws them into a plot:
 
-* **ours, flat** and **ours, per-parameter**: this engine, each decoder layer a unit, traced as
-  replica 0 of the chips in the TPU form (``_xla.tracing_replica``);
+* **ours, flat**, **ours, per-parameter** (1-D shards) and **ours, dim 0** (per-parameter shards
+  on dim 0, the Accelerate plugin's TPU default): this engine, each decoder layer a unit, traced
+  as replica 0 of the chips in the TPU form (``_xla.tracing_replica``);
 * **torch_xla FSDP**: ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel`` with its own
   defaults, each decoder layer a unit, traced as replica 0 with explicit sharding groups (it then
   never asks the one-replica runtime here for its rank; ``XLA_ALWAYS_ALLREDUCE`` keeps its
@@ -53,6 +54,7 @@ class Variant:
 VARIANTS: Dict[str, Variant] = {
     "ours-flat": Variant("ours, flat"),
     "ours": Variant("ours, per-parameter"),
+    "ours-dim0": Variant("ours, dim 0"),
     "torch_xla-fsdp": Variant("torch_xla FSDP"),
     "torch_xla-spmd": Variant("torch_xla SPMD FSDPv2", spmd=True),
 }
@@ -85,7 +87,7 @@ def checkpointed(wrapper: Any, checkpoint_module: Any) -> Any:
     return lambda m, *a, **kw: wrapper(checkpoint_module(m), *a, **kw)
 
 
-def trace_ours(args: argparse.Namespace, path: Path, flat: bool) -> float:
+def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool = False) -> float:
     import torch
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -106,6 +108,7 @@ def trace_ours(args: argparse.Namespace, path: Path, flat: bool) -> float:
             auto_wrap_policy=policy,
             auto_wrapper_callable=wrapper,
             flatten_parameters=flat,
+            shard_param_on_dim_0=dim0,
             compute_dtype=torch.bfloat16 if args.precision == "bf16" else None,
             **json.loads(args.options),
         )
@@ -155,8 +158,8 @@ def trace_spmd(args: argparse.Namespace, path: Path) -> None:
 def trace(args: argparse.Namespace) -> None:
     path = Path(args.out)
     floor = None
-    if args.trace in ("ours", "ours-flat"):
-        floor = trace_ours(args, path, flat=args.trace == "ours-flat")
+    if args.trace.startswith("ours"):
+        floor = trace_ours(args, path, flat=args.trace == "ours-flat", dim0=args.trace == "ours-dim0")
     elif args.trace == "torch_xla-fsdp":
         trace_torch_xla_fsdp(args, path)
     else:
@@ -273,7 +276,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", action="append", help="v5e-8 (default), v4-8, ... (tpu_compiler.TOPOLOGIES)")
-    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all four")
+    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all five")
     p.add_argument("--precision", action="append", choices=PRECISIONS, help="default: fp32 and bf16")
     add_model_arguments(p)
     p.add_argument("--options", default="{}", help="more of our FSDP options, as JSON (ours only)")

@@ -29,7 +29,7 @@ def export(args: argparse.Namespace, path: Path) -> float:
     """Export the step (as tpu_benchmark.py traces ours); returns its communication floor (bytes per chip)."""
     args.precision = "bf16" if args.bf16 else "fp32"
     args.options, args.embedding_units = "{}", False
-    return tpu_benchmark.trace_ours(args, path, flat=args.flat)
+    return tpu_benchmark.trace_ours(args, path, flat=args.flat, dim0=args.dim0)
 
 
 def main() -> None:
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--chips", type=int, default=8, help="the topology's chips (v4-8: 4, v5e-8: 8)")
     tpu_benchmark.add_model_arguments(parser)
     parser.add_argument("--flat", action="store_true", help="flat shards (default: per parameter)")
+    parser.add_argument("--dim0", action="store_true", help="per-parameter shards on dim 0 (the plugin's TPU default)")
     parser.add_argument("--bf16", action="store_true", help="compute_dtype=torch.bfloat16")
     parser.add_argument("--hlo-out", help="keep the exported program here")
     args = parser.parse_args()
@@ -59,7 +60,8 @@ def main() -> None:
     )
     report = json.loads(done.stdout.splitlines()[-1])
     mb = 1e6
-    print(f"{args.topology}, {'flat' if args.flat else 'per-parameter'}, {'bf16' if args.bf16 else 'fp32'}"
+    layout = "flat" if args.flat else "dim 0" if args.dim0 else "per-parameter"
+    print(f"{args.topology}, {layout}, {'bf16' if args.bf16 else 'fp32'}"
           f"{', checkpointed' if args.checkpoint else ''}: MB per chip")  # fmt: skip
     for key in ("argument", "output", "alias", "temp", "code", "peak"):
         print(f"  {key}: {report[key] / mb:,.1f}")

@@ -28,9 +28,9 @@ GIB = 1 << 30
 
 @pytest.fixture
 def tiny(tmp_path: Path) -> Path:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+    config = LlamaConfig(  # rows of 128 elements or more, as real models': a TPU pads a row to 128
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

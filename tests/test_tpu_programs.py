@@ -37,6 +37,7 @@ EXPECTED: Dict[str, Tuple[int, int]] = {
     "bf16": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),
     "checkpointed": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),
     "frozen": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS - 1),  # the embedding is frozen
+    "dim0": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),  # 2-D gradients reduce-scattered as they are
     "no_sync": (2 * (2 * LAYERS * LAYER + ROOT_PARAMS), PARAMS),  # two micro-batches, one reduce
     "eval": (PARAMS, 0),  # a forward under no_grad
 }

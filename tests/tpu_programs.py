@@ -27,6 +27,7 @@ from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, checkpoint_module, seeded, tpu_program, transformer_block_policy
 
 SEQ, BATCH = 16, 2
+WIDE = dict(hidden_size=128, intermediate_size=256)  # 4 heads of 32, 2 key-value heads: k_proj is 64 rows
 
 
 def llama() -> LlamaForCausalLM:
@@ -36,6 +37,14 @@ def llama() -> LlamaForCausalLM:
 
 def per_layer(**kw) -> FSDP:
     return FSDP(llama(), auto_wrap_policy=transformer_block_policy(), **kw)
+
+
+def dim0() -> FSDP:
+    """Shards on dim 0 (the Accelerate plugin's TPU default) of a Llama whose rows are multiples
+    of 128 elements wide, as real models' are: each gradient is reduce-scattered in its own shape."""
+    with seeded(0):
+        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **WIDE}, attn_implementation="eager"))
+    return FSDP(model, auto_wrap_policy=transformer_block_policy(), shard_param_on_dim_0=True)
 
 
 def nested() -> FSDP:
@@ -71,6 +80,7 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "bf16": (lambda: per_layer(compute_dtype=torch.bfloat16), 1, "train"),
     "checkpointed": (checkpointed, 1, "train"),
     "frozen": (frozen_embedding, 1, "train"),
+    "dim0": (dim0, 1, "train"),
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }

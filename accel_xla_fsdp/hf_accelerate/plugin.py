@@ -269,11 +269,17 @@ class XlaFsdpPlugin:
         if "cpu_ram_efficient_loading" not in defaulted:
             # As Accelerate's FSDP plugin does: from_pretrained reads the environment variable.
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(self.cpu_ram_efficient_loading).lower()
+        on_tpu = _xla.platform() == "TPU"
+        if self.shard_param_on_dim_0 is None:
+            # On a TPU, dim-0 shards: their gradients are reduce-scattered in their own 2-D shape,
+            # where a 1-D shard's are relaid out whole first (docs/tpu.md). Asking for flat
+            # shards says otherwise.
+            self.shard_param_on_dim_0 = on_tpu and not self.flatten_parameters
         if self.flatten_parameters is None:
             # dim-0 shards are per parameter: asking for them says so. On a TPU per-parameter
             # shards cost the compiler less memory than flat ones (docs/tpu.md), on XLA:CPU flat
             # ones are faster (docs/performance.md).
-            self.flatten_parameters = not self.shard_param_on_dim_0 and _xla.platform() != "TPU"
+            self.flatten_parameters = not self.shard_param_on_dim_0 and not on_tpu
         self._check_consistent()
 
     def _check_consistent(self) -> None:
