@@ -235,23 +235,25 @@ def test_plugin_reads_code_then_environment_then_config_file(tmp_path: Path, mon
 
 
 def test_plugin_layout_default_is_the_platforms(monkeypatch) -> None:
-    """Unset, flat shards on XLA:CPU (a faster step there) and per-parameter ones on dim 0 on a TPU
-    (less temp as the TPU compiler plans a step: docs/tpu.md); a value given stays."""
+    """Unset, flat shards on XLA:CPU (a faster step there) and per-parameter ones on a TPU (less
+    temp as the TPU compiler plans a step: docs/tpu.md), on dim 0 there when computing in float32;
+    a value given stays."""
     monkeypatch.delenv(CONFIG_FILE_ENV, raising=False)
     monkeypatch.delenv("XLA_FSDP_FLATTEN_PARAMETERS", raising=False)
     monkeypatch.delenv("XLA_FSDP_SHARD_PARAM_ON_DIM_0", raising=False)
 
-    def layout(**given) -> tuple:
-        plugin = XlaFsdpPlugin(**given)
-        return plugin.flatten_parameters, plugin.shard_param_on_dim_0
+    def layout(dtype: torch.dtype = torch.float32, **given) -> tuple:
+        options = XlaFsdpPlugin(**given).engine_options(dtype)
+        return options.flatten_parameters, options.shard_param_on_dim_0
 
-    assert layout() == (True, False)
+    assert layout() == layout(torch.bfloat16) == (True, False)
     assert layout(shard_param_on_dim_0=True) == (False, True)
     assert layout(flatten_parameters=False) == (False, False)
     with _xla.tracing_replica(0, 4, "TPU"):
-        assert layout() == (False, True)
+        assert layout() == layout(flatten_parameters=False) == (False, True)
+        assert layout(torch.bfloat16) == (False, False)
+        assert layout(torch.bfloat16, shard_param_on_dim_0=True) == (False, True)
         assert layout(flatten_parameters=True) == (True, False)
-        assert layout(flatten_parameters=False) == (False, True)
         assert layout(shard_param_on_dim_0=False) == (False, False)
 
 
