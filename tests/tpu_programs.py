@@ -40,7 +40,7 @@ def per_layer(**kw) -> FSDP:
 
 
 def dim0() -> FSDP:
-    """Shards on dim 0 (the Accelerate plugin's TPU default) of a Llama whose rows are multiples
+    """Shards on dim 0 (the Accelerate plugin's TPU default in fp32) of a Llama whose rows are multiples
     of 128 elements wide, as real models' are: each gradient is reduce-scattered in its own shape."""
     with seeded(0):
         model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **WIDE}, attn_implementation="eager"))
