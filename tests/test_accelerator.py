@@ -235,9 +235,9 @@ def test_plugin_reads_code_then_environment_then_config_file(tmp_path: Path, mon
 
 
 def test_plugin_layout_default_is_the_platforms(monkeypatch) -> None:
-    """Unset, flat shards on XLA:CPU (a faster step there) and per-parameter ones on a TPU (less
-    temp as the TPU compiler plans a step: docs/tpu.md), on dim 0 there when computing in float32;
-    a value given stays."""
+    """Unset, flat shards on XLA:CPU (a faster step there) and per-parameter ones on dim 0 on a TPU
+    (less temp as the TPU compiler plans a step: docs/tpu.md), in either precision; a value given
+    stays."""
     monkeypatch.delenv(CONFIG_FILE_ENV, raising=False)
     monkeypatch.delenv("XLA_FSDP_FLATTEN_PARAMETERS", raising=False)
     monkeypatch.delenv("XLA_FSDP_SHARD_PARAM_ON_DIM_0", raising=False)
@@ -250,9 +250,7 @@ def test_plugin_layout_default_is_the_platforms(monkeypatch) -> None:
     assert layout(shard_param_on_dim_0=True) == (False, True)
     assert layout(flatten_parameters=False) == (False, False)
     with _xla.tracing_replica(0, 4, "TPU"):
-        assert layout() == layout(flatten_parameters=False) == (False, True)
-        assert layout(torch.bfloat16) == (False, False)
-        assert layout(torch.bfloat16, shard_param_on_dim_0=True) == (False, True)
+        assert layout() == layout(torch.bfloat16) == layout(flatten_parameters=False) == (False, True)
         assert layout(flatten_parameters=True) == (True, False)
         assert layout(shard_param_on_dim_0=False) == (False, False)
 

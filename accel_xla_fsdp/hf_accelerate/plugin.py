@@ -269,11 +269,17 @@ class XlaFsdpPlugin:
         if "cpu_ram_efficient_loading" not in defaulted:
             # As Accelerate's FSDP plugin does: from_pretrained reads the environment variable.
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(self.cpu_ram_efficient_loading).lower()
+        on_tpu = _xla.platform() == "TPU"
+        if self.shard_param_on_dim_0 is None:
+            # On a TPU, dim-0 shards: the compiler plans real models' steps in less memory than
+            # with 1-D shards, whose large gradients it relays out whole (docs/tpu.md). Asking for
+            # flat shards says otherwise.
+            self.shard_param_on_dim_0 = on_tpu and not self.flatten_parameters
         if self.flatten_parameters is None:
             # dim-0 shards are per parameter: asking for them says so. On a TPU per-parameter
             # shards cost the compiler less memory than flat ones (docs/tpu.md), on XLA:CPU flat
             # ones are faster (docs/performance.md).
-            self.flatten_parameters = not self.shard_param_on_dim_0 and _xla.platform() != "TPU"
+            self.flatten_parameters = not self.shard_param_on_dim_0 and not on_tpu
         self._check_consistent()
 
     def _check_consistent(self) -> None:
@@ -291,16 +297,7 @@ class XlaFsdpPlugin:
         self.engine_options(torch.float32)  # the engine's own checks (flattening and dim 0, ...)
 
     def engine_options(self, compute_dtype: torch.dtype) -> FsdpOptions:
-        settings = {s.name: getattr(self, s.name) for s in ENGINE_SETTINGS}
-        if settings["shard_param_on_dim_0"] is None:
-            settings["shard_param_on_dim_0"] = self.dim0_by_default(compute_dtype)
-        return FsdpOptions(compute_dtype=compute_dtype, **settings)
-
-    def dim0_by_default(self, compute_dtype: torch.dtype) -> bool:
-        """Unset, shards are on dim 0 on a TPU computing in float32 (per parameter): the TPU
-        compiler plans the step in less memory than with 1-D shards, whose large gradients it
-        relays out whole; in bfloat16 it packs 1-D shards' steps tighter (docs/tpu.md)."""
-        return _xla.platform() == "TPU" and not self.flatten_parameters and compute_dtype == torch.float32
+        return FsdpOptions(compute_dtype=compute_dtype, **{s.name: getattr(self, s.name) for s in ENGINE_SETTINGS})
 
     def wrap_policy(self, model: nn.Module) -> Optional[Policy]:
         policy = self.auto_wrap_policy
