@@ -510,7 +510,7 @@ def reduce_scatter_sum(
             use_global_device_ids=True,
         )
     groups = _explicit_groups(groups)
-    width = tensor[0].numel() if tensor.dim() > 1 else 1
+    width = tensor.shape[1:].numel()  # from the shape: no op traced into the step
     if width % TPU_ROW == 0 and tensor.size(0) % shard_count == 0:
         # A gradient of dim-0 shards, in its own rows: as (-1, 128) rows it is relaid out whole first.
         rows = tensor.view(tensor.size(0), width)
@@ -567,10 +567,9 @@ def _reduce_scatter_rows(
     chunks of at most TPU_REDUCE_SCATTER_CHUNK_TILES tiles' elements of each replica's part."""
     width = rows.size(1)
     parts = rows.view(shard_count, -1, width)  # replica r's part of the result is parts[r]
-    chunk_rows = TPU_REDUCE_SCATTER_CHUNK_TILES * TPU_SHARD_MULTIPLE // width
-    chunk_rows = max(TPU_TILE_ROWS, chunk_rows - chunk_rows % TPU_TILE_ROWS)  # whole tiles
+    chunk_tiles = max(1, TPU_REDUCE_SCATTER_CHUNK_TILES * TPU_ROW // width)  # tiles of 16 rows this wide
     tiles = math.ceil(parts.size(1) / TPU_TILE_ROWS)
-    chunks = math.ceil(tiles / (chunk_rows // TPU_TILE_ROWS))
+    chunks = math.ceil(tiles / chunk_tiles)
     if chunks == 1:
         return _native_reduce_scatter(rows, shard_count, scale, groups, pin_layout)
     step = math.ceil(tiles / chunks) * TPU_TILE_ROWS  # as equal as whole tiles allow

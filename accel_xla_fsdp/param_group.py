@@ -117,10 +117,8 @@ class ShardedParamGroup:
     def _pad(self, full: torch.Tensor) -> torch.Tensor:
         """Pad dim 0 so that it splits evenly (flat: into shard_size_multiple tiles; dim 0: into
         the platform's rows, ``_xla.dim0_rows_multiple``)."""
-        if self.spec.dim0:
-            multiple = self.sharding.world_size * _xla.dim0_rows_multiple(full[0].numel() if full.dim() > 1 else 1)
-        else:
-            multiple = self.sharding.world_size * self.options.shard_size_multiple
+        rows = _xla.dim0_rows_multiple(full.shape[1:].numel()) if self.spec.dim0 else self.options.shard_size_multiple
+        multiple = self.sharding.world_size * rows
         missing = -full.size(0) % multiple
         if missing == 0:
             return full
