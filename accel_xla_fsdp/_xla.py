@@ -27,7 +27,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, cast
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch_xla
@@ -560,22 +560,31 @@ TPU_SHARD_MULTIPLE = TPU_TILE_ROWS * TPU_ROW
 TPU_REDUCE_SCATTER_CHUNK_TILES = 128
 
 
+def reduce_scatter_row_chunks(part_rows: int, width: int) -> List[Tuple[int, int]]:
+    """The rows ``[start, stop)`` of each replica's part that one TPU reduce-scatter chunk takes,
+    for parts of ``part_rows`` rows ``width`` elements wide: at most
+    TPU_REDUCE_SCATTER_CHUNK_TILES tiles' elements each, as equal as whole tiles allow (see
+    [Note: TPU reduce-scatter shapes]). The same on every platform: a plan, not a collective."""
+    chunk_tiles = max(1, TPU_REDUCE_SCATTER_CHUNK_TILES * TPU_ROW // width)  # tiles of 16 rows this wide
+    tiles = math.ceil(part_rows / TPU_TILE_ROWS)
+    chunks = math.ceil(tiles / chunk_tiles)
+    step = math.ceil(tiles / chunks) * TPU_TILE_ROWS
+    return [(a, min(a + step, part_rows)) for a in range(0, part_rows, step)]
+
+
 def _reduce_scatter_rows(
     rows: torch.Tensor, shard_count: int, scale: float, groups: List[List[int]], pin_layout: bool
 ) -> torch.Tensor:
     """The reduce-scatter of ``rows`` (2-D, rows a multiple of 128 elements wide) along dim 0, in
-    chunks of at most TPU_REDUCE_SCATTER_CHUNK_TILES tiles' elements of each replica's part."""
+    the chunks of ``reduce_scatter_row_chunks``."""
     width = rows.size(1)
     parts = rows.view(shard_count, -1, width)  # replica r's part of the result is parts[r]
-    chunk_tiles = max(1, TPU_REDUCE_SCATTER_CHUNK_TILES * TPU_ROW // width)  # tiles of 16 rows this wide
-    tiles = math.ceil(parts.size(1) / TPU_TILE_ROWS)
-    chunks = math.ceil(tiles / chunk_tiles)
-    if chunks == 1:
+    spans = reduce_scatter_row_chunks(parts.size(1), width)
+    if len(spans) == 1:
         return _native_reduce_scatter(rows, shard_count, scale, groups, pin_layout)
-    step = math.ceil(tiles / chunks) * TPU_TILE_ROWS  # as equal as whole tiles allow
     reduced = [
-        _native_reduce_scatter(parts[:, a : a + step].reshape(-1, width), shard_count, scale, groups, pin_layout)
-        for a in range(0, parts.size(1), step)
+        _native_reduce_scatter(parts[:, a:b].reshape(-1, width), shard_count, scale, groups, pin_layout)
+        for a, b in spans
     ]
     return torch.cat(reduced)
 

@@ -82,6 +82,13 @@ class GradBucket:
         self._bytes += full.numel() * full.element_size()
         return self.flush(barrier) if self._bytes > self.limit_bytes else []
 
+    def take_reduced(self, group: ShardedParamGroup, reduced: torch.Tensor, barrier: bool) -> List[torch.Tensor]:
+        """Take ``group`` with its gradient already reduced (``reduced``, this replica's shard of it,
+        ``ShardedParamGroup.reduce_linear_weight_grad``) into its ``shard.grad``; returns it in the
+        shard's dtype."""
+        self.groups_taken += 1
+        return [group.add_reduced_grad(reduced, barrier)]
+
     def end_backward(self, barrier: bool) -> List[torch.Tensor]:
         """The unit's backward is done: reduce what is left."""
         self.groups_taken = 0

@@ -9,17 +9,25 @@ gathered when backward runs.
 The patch replaces the ``forward`` of each ``nn.Linear`` instance (not ``F.linear`` globally):
 replica threads share one interpreter, and a global patch entered and left by one thread would
 change the others' forward mid-trace.
+
+A weight may carry a gradient sink (``set_weight_grad_sink``): FSDP's, which computes the weight's
+gradient in chunks and reduce-scatters each (``reduce_scatter_in_linear_backward``), so autograd
+never holds it whole.
 """
 
 from __future__ import annotations
 
 from types import MethodType
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 _ORIGINAL_FORWARD = "_accel_xla_fsdp_linear_forward"
+_WEIGHT_GRAD_SINK = "_accel_xla_fsdp_weight_grad_sink"
+
+# (grad_output, input), both 2-D -> whether it took the weight's gradient
+WeightGradSink = Callable[[torch.Tensor, torch.Tensor], bool]
 
 
 class PatchedLinearFunction(torch.autograd.Function):
@@ -39,7 +47,10 @@ class PatchedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_input = grad_out_2d.mm(weight).view(input.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_out_2d.t().mm(input.reshape(-1, input.size(-1)))
+            input_2d = input.reshape(-1, input.size(-1))
+            sink: Optional[WeightGradSink] = getattr(weight, _WEIGHT_GRAD_SINK, None)
+            if sink is None or not sink(grad_out_2d, input_2d):
+                grad_weight = grad_out_2d.t().mm(input_2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out_2d.sum(0)
         return grad_input, grad_weight, grad_bias
@@ -69,3 +80,18 @@ def patch_linear_modules(module: nn.Module) -> int:
 
 def _is_stock_linear_forward(m: nn.Linear) -> bool:
     return "forward" not in m.__dict__ and type(m).forward is nn.Linear.forward
+
+
+def is_patched(m: nn.Module) -> bool:
+    """Whether ``m`` runs the patched forward (``patch_linear_modules``)."""
+    return isinstance(m, nn.Linear) and hasattr(m, _ORIGINAL_FORWARD)
+
+
+def set_weight_grad_sink(weight: nn.Parameter, sink: WeightGradSink) -> None:
+    """Hand ``weight``'s gradient, as the rows of (grad_output, input), to ``sink`` in the patched
+    backward; when the sink does not take it (returns False), autograd gets it as usual."""
+    setattr(weight, _WEIGHT_GRAD_SINK, sink)
+
+
+def has_weight_grad_sink(weight: torch.Tensor) -> bool:
+    return hasattr(weight, _WEIGHT_GRAD_SINK)

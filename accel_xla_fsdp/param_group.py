@@ -265,6 +265,37 @@ class ShardedParamGroup:
         ref = next(g for g in grads if g is not None)
         return [g if g is not None else ref.new_zeros(s.shape) for g, s in zip(grads, self.slots)]
 
+    def reduce_linear_weight_grad(self, grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """This replica's reduced shard of the gradient ``grad_output.t() @ input`` of this group's
+        (dim-0, 2-D) weight, in the reduce dtype, computed and reduce-scattered chunk by chunk
+        (``_xla.reduce_scatter_row_chunks``): the full gradient is never whole. Call under
+        ``torch.no_grad()``.
+
+        Chunk c is the same rows of every replica's part, so its gradient is the product of those
+        columns of ``grad_output`` (a view as [tokens, replicas, rows]) with ``input``. Each chunk's
+        columns pass an optimization barrier with the chunk before's gradient: without it the TPU
+        compiler merged the chunks' products back into one full gradient (docs/tpu.md).
+        """
+        world, rows, width = self.sharding.world_size, self.shard.size(0), input.size(1)
+        missing = world * rows - grad_output.size(1)  # the padding rows' gradient is zero
+        if missing:
+            grad_output = F.pad(grad_output, [0, missing])
+        columns = grad_output.view(-1, world, rows)
+        reduced, previous = [], None
+        for start, stop in _xla.reduce_scatter_row_chunks(rows, width):
+            part = columns[:, :, start:stop]
+            if previous is not None:
+                part = part.clone()  # the barrier rewrites its operands: not grad_output's view
+                _xla.optimization_barrier_([part, previous])
+            full = torch.einsum("str,sw->trw", part, input).reshape(-1, width)
+            previous = _in_dtype(full, self.options.reduce_dtype)
+            reduced.append(
+                _xla.reduce_scatter_sum(
+                    previous, world, 1.0 / world, self.sharding.groups, self.options.pin_layout_in_collective_ops
+                )
+            )
+        return reduced[0] if len(reduced) == 1 else torch.cat(reduced)
+
     def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
         """Accumulate this replica's reduced shard of the gradient into ``shard.grad``; returns
         it in the shard's dtype (for barriers). Call under ``torch.no_grad()``."""

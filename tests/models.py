@@ -152,6 +152,21 @@ class MixtureOfExperts(nn.Module):
         return FSDP(self, **kw)
 
 
+class WideHead(nn.Module):
+    """A head whose weight's gradient, 128 wide, takes several reduce-scatter chunks on 2 and 4
+    replicas (more than 128 tiles of 16 rows per replica's part: reduce_scatter_in_linear_backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Sequential(nn.Linear(8, 128), nn.Tanh(), nn.Linear(128, 8200))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def wrap(self, **kw: Any) -> FSDP:
+        return FSDP(self, **kw)
+
+
 def make_expert(rank: int) -> nn.Linear:
     with seeded(42 + rank):
         return nn.Linear(23, 12)
@@ -178,6 +193,7 @@ def build(name: str) -> nn.Module:
         "frozen_odd": FrozenOdd,
         "llama": make_llama,
         "moe": lambda: MixtureOfExperts(nn.Linear(23, 12)),
+        "wide_head": WideHead,
     }
     with seeded(0):
         return makers[name]()
@@ -208,7 +224,7 @@ def global_batch(name: str, step: int, micro: int, world: int) -> Tuple[torch.Te
         vocab = TiedTransformer.vocab if name == "tied_transformer" else LLAMA_CONFIG["vocab_size"]
         ids = torch.randint(0, vocab, (rows, 12), generator=g)
         return ids, torch.roll(ids, -1, dims=1)
-    width = {"nested_linear": (8, 8), "frozen_odd": (7, 3), "moe": (8, 8)}[name]
+    width = {"nested_linear": (8, 8), "frozen_odd": (7, 3), "moe": (8, 8), "wide_head": (8, 8200)}[name]
     return torch.rand(rows, width[0], generator=g), torch.rand(rows, width[1], generator=g)
 
 

@@ -28,6 +28,8 @@ COALESCE = (("coalesce_all_gather_ops", True),)
 # one bucket per unit, 0.01 MiB (10.5 KB) several.
 BUCKET_1MB = (("reduce_scatter_bucket_size_mb", 1),)
 SMALL_BUCKETS = (("reduce_scatter_bucket_size_mb", 0.01),)
+# The root's Linear weights' gradients reduced in chunks in their backward (param_group.py).
+LINEAR_RS = DIM0 + (("reduce_scatter_in_linear_backward", True),)
 
 CASES = [
     # Every sharding layout, with and without resharding after forward.
@@ -58,6 +60,11 @@ CASES = [
     Case("llama", COALESCE + BUCKET_1MB, optimizer="sgd", clip=1.0),
     Case("moe", COALESCE + SMALL_BUCKETS),
     Case("frozen_odd", DIM0 + COALESCE + BUCKET_1MB),
+    # Gradients reduce-scattered chunk by chunk in the Linear's backward: several chunks; lm_head
+    # (padded rows), accumulated over micro-batches; nested units' Linears left to autograd.
+    Case("wide_head", LINEAR_RS),
+    Case("llama", LINEAR_RS, optimizer="sgd", accumulation=2),
+    Case("nested_linear", LINEAR_RS + NO_RESHARD),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ EXPECTED: Dict[str, Tuple[int, int]] = {
     "checkpointed": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),
     "frozen": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS - 1),  # the embedding is frozen
     "dim0": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS),  # 2-D gradients reduce-scattered as they are
+    # a vocabulary of 16384: the embedding's and lm_head's gradients two chunks each
+    "lm_head_in_backward": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS + 2),
+    "lm_head_by_autograd": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS + 2),
     "no_sync": (2 * (2 * LAYERS * LAYER + ROOT_PARAMS), PARAMS),  # two micro-batches, one reduce
     "eval": (PARAMS, 0),  # a forward under no_grad
 }
@@ -73,12 +77,14 @@ def compiled(tpu_python: Path, tmp_path_factory) -> Dict[Tuple[str, str], dict]:
     manifest = json.loads((out / "manifest.json").read_text())
     programs = [str(out / f"{name}.hlo") for name in manifest]
     topologies = [arg for t in TOPOLOGIES for arg in ("--topology", t)]
-    stdout = _run([str(tpu_python), "accel_xla_fsdp/tpu_compiler.py", *programs, *topologies, "--json"], "compiling")
+    optimized = out / "optimized"
+    cmd = [str(tpu_python), "accel_xla_fsdp/tpu_compiler.py", *programs, *topologies, "--json", "--hlo-out", str(optimized)]
+    stdout = _run(cmd, "compiling")
     reports = {}
-    for line in stdout.splitlines():
+    for n, line in enumerate(stdout.splitlines()):  # one line per compile, in the order of --hlo-out's files
         report = json.loads(line)
         name = Path(report["program"]).stem
-        reports[name, report["topology"]] = {**report, **manifest[name]}
+        reports[name, report["topology"]] = {**report, **manifest[name], "optimized": f"{optimized}.{n}.txt"}
     return reports
 
 
@@ -129,3 +135,20 @@ def test_per_parameter_shards_take_less_memory_than_flat(compiled, topology: str
     Llama, 970 against 1,242 MB per chip in fp32): the compiler holds a flat unit's whole buffer
     and relays it out, where it frees each parameter's as the program stops reading it."""
     assert compiled["per_parameter", topology]["peak"] < compiled["flat", topology]["peak"]
+
+
+# A product the size of lm_head's full gradient (vocabulary 16384 x hidden 128, or as 4 chips' parts)
+# in the optimized HLO: the TPU compiler names a fusion after the convolution (dot) it holds.
+_FULL_LM_HEAD_PRODUCT = re.compile(r"^\s*%\S*convolution\S* = f32\[(16384,128|4,4096,128)\]", re.M)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_lm_head_gradient_is_never_whole(compiled, topology: str) -> None:
+    """reduce_scatter_in_linear_backward: lm_head's gradient is made and reduce-scattered chunk by
+    chunk, and the compiler keeps it so (without the barrier between chunks it merged them back into
+    one product, docs/tpu.md); autograd's program computes it whole."""
+    def full_products(name: str) -> int:
+        return len(_FULL_LM_HEAD_PRODUCT.findall(Path(compiled[name, topology]["optimized"]).read_text()))
+
+    assert full_products("lm_head_in_backward") == 0
+    assert full_products("lm_head_by_autograd") == 1

@@ -47,6 +47,21 @@ def dim0() -> FSDP:
     return FSDP(model, auto_wrap_policy=transformer_block_policy(), shard_param_on_dim_0=True)
 
 
+def dim0_lm_head(in_backward: bool) -> FSDP:
+    """dim0's Llama with a vocabulary of 16384: lm_head's gradient is two reduce-scatter chunks on 4
+    chips, made and reduced one by one in its backward (``reduce_scatter_in_linear_backward``, the
+    Accelerate plugin's TPU default without checkpointing), or by autograd whole."""
+    with seeded(0):
+        config = LlamaConfig(**{**LLAMA_CONFIG, **WIDE, "vocab_size": 16384}, attn_implementation="eager")
+        model = LlamaForCausalLM(config)
+    return FSDP(
+        model,
+        auto_wrap_policy=transformer_block_policy(),
+        shard_param_on_dim_0=True,
+        reduce_scatter_in_linear_backward=in_backward,
+    )
+
+
 def nested() -> FSDP:
     """Each layer's MLP a unit inside its layer's unit, inside the root."""
     model = llama()
@@ -81,6 +96,8 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "checkpointed": (checkpointed, 1, "train"),
     "frozen": (frozen_embedding, 1, "train"),
     "dim0": (dim0, 1, "train"),
+    "lm_head_in_backward": (lambda: dim0_lm_head(True), 1, "train"),
+    "lm_head_by_autograd": (lambda: dim0_lm_head(False), 1, "train"),
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }
