@@ -286,7 +286,9 @@ class UnitState:
                 linear.set_weight_grad_sink(slot.param, functools.partial(self._reduce_linear_weight_grad, group))
 
     @torch.no_grad()
-    def _reduce_linear_weight_grad(self, group: ShardedParamGroup, grad_output: torch.Tensor, input: torch.Tensor) -> bool:
+    def _reduce_linear_weight_grad(
+        self, group: ShardedParamGroup, grad_output: torch.Tensor, input: torch.Tensor
+    ) -> bool:
         """A Linear weight's gradient sink: reduced in chunks as it is computed. Only in the root
         unit, which holds lm_head: its full gradient is the one that counts (vocabulary x hidden),
         and on the blocks' Linears the chunks planned more, not less (495.4 against 362.2 MB, issue

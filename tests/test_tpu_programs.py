@@ -78,7 +78,15 @@ def compiled(tpu_python: Path, tmp_path_factory) -> Dict[Tuple[str, str], dict]:
     programs = [str(out / f"{name}.hlo") for name in manifest]
     topologies = [arg for t in TOPOLOGIES for arg in ("--topology", t)]
     optimized = out / "optimized"
-    cmd = [str(tpu_python), "accel_xla_fsdp/tpu_compiler.py", *programs, *topologies, "--json", "--hlo-out", str(optimized)]
+    cmd = [
+        str(tpu_python),
+        "accel_xla_fsdp/tpu_compiler.py",
+        *programs,
+        *topologies,
+        "--json",
+        "--hlo-out",
+        str(optimized),
+    ]
     stdout = _run(cmd, "compiling")
     reports = {}
     for n, line in enumerate(stdout.splitlines()):  # one line per compile, in the order of --hlo-out's files
@@ -147,6 +155,7 @@ def test_lm_head_gradient_is_never_whole(compiled, topology: str) -> None:
     """reduce_scatter_in_linear_backward: lm_head's gradient is made and reduce-scattered chunk by
     chunk, and the compiler keeps it so (without the barrier between chunks it merged them back into
     one product, docs/tpu.md); autograd's program computes it whole."""
+
     def full_products(name: str) -> int:
         return len(_FULL_LM_HEAD_PRODUCT.findall(Path(compiled[name, topology]["optimized"]).read_text()))
 
