@@ -108,9 +108,8 @@ def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool = Fa
             auto_wrap_policy=policy,
             auto_wrapper_callable=wrapper,
             flatten_parameters=flat,
+            shard_param_on_dim_0=dim0,
             compute_dtype=torch.bfloat16 if args.precision == "bf16" else None,
-            # the Accelerate plugin's TPU default with dim-0 shards
-            **{"shard_param_on_dim_0": dim0, "reduce_scatter_in_linear_backward": dim0 and not args.checkpoint},
             **json.loads(args.options),
         )
         ids = torch.zeros(1, args.seq, dtype=torch.long, device=_xla.device())

@@ -255,25 +255,6 @@ def test_plugin_layout_default_is_the_platforms(monkeypatch) -> None:
         assert layout(shard_param_on_dim_0=False) == (False, False)
 
 
-def test_plugin_reduces_lm_head_gradient_in_backward_on_a_tpu_without_checkpointing(monkeypatch) -> None:
-    """Unset, ``reduce_scatter_in_linear_backward`` is on a TPU when the blocks are not
-    checkpointed (less memory there; a little more with checkpointing: docs/tpu.md), whether we
-    checkpoint them or the model's own checkpointing is taken over; off elsewhere; a value given
-    stays."""
-    monkeypatch.delenv(CONFIG_FILE_ENV, raising=False)
-    monkeypatch.delenv("XLA_FSDP_REDUCE_SCATTER_IN_LINEAR_BACKWARD", raising=False)
-
-    def in_backward(checkpointed: bool = False, **given) -> bool:
-        return XlaFsdpPlugin(**given).engine_options(torch.bfloat16, checkpointed).reduce_scatter_in_linear_backward
-
-    assert not in_backward() and not in_backward(True)
-    assert in_backward(reduce_scatter_in_linear_backward=True)
-    with _xla.tracing_replica(0, 4, "TPU"):
-        assert in_backward() and not in_backward(True)
-        assert not in_backward(reduce_scatter_in_linear_backward=False)
-        assert in_backward(True, reduce_scatter_in_linear_backward=True)
-
-
 @pytest.mark.parametrize(
     "section, message",
     [

@@ -49,8 +49,8 @@ def dim0() -> FSDP:
 
 def dim0_lm_head(in_backward: bool) -> FSDP:
     """dim0's Llama with a vocabulary of 16384: lm_head's gradient is two reduce-scatter chunks on 4
-    chips, made and reduced one by one in its backward (``reduce_scatter_in_linear_backward``, the
-    Accelerate plugin's TPU default without checkpointing), or by autograd whole."""
+    chips, made and reduced one by one in its backward (``reduce_scatter_in_linear_backward``), or
+    by autograd whole (the default)."""
     with seeded(0):
         config = LlamaConfig(**{**LLAMA_CONFIG, **WIDE, "vocab_size": 16384}, attn_implementation="eager")
         model = LlamaForCausalLM(config)

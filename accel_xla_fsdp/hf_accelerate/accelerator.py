@@ -145,7 +145,6 @@ class Accelerator(accelerate.Accelerator):
             checkpoint_blocks=bool(plugin.activation_checkpointing) and not blocks,
             flat_shard_key=flat_shard_key,
             param_init_fn=source,
-            blocks_checkpointed=bool(blocks),
         )
         logger.info(
             f"XLA FSDP: {sum(1 for m in wrapped.modules() if isinstance(m, XlaFullyShardedDataParallel))} units"

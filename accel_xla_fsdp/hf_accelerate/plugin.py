@@ -297,14 +297,8 @@ class XlaFsdpPlugin:
             )
         self.engine_options(torch.float32)  # the engine's own checks (flattening and dim 0, ...)
 
-    def engine_options(self, compute_dtype: torch.dtype, checkpointed: bool = False) -> FsdpOptions:
-        settings = {s.name: getattr(self, s.name) for s in ENGINE_SETTINGS}
-        if settings["reduce_scatter_in_linear_backward"] is None:
-            # lm_head's gradient reduce-scattered in chunks as it is computed: less memory on a
-            # TPU without checkpointing, a little more with it (docs/tpu.md). Decided when
-            # wrapping, which knows whether the blocks are checkpointed.
-            settings["reduce_scatter_in_linear_backward"] = _xla.platform() == "TPU" and not checkpointed
-        return FsdpOptions(compute_dtype=compute_dtype, **settings)
+    def engine_options(self, compute_dtype: torch.dtype) -> FsdpOptions:
+        return FsdpOptions(compute_dtype=compute_dtype, **{s.name: getattr(self, s.name) for s in ENGINE_SETTINGS})
 
     def wrap_policy(self, model: nn.Module) -> Optional[Policy]:
         policy = self.auto_wrap_policy
@@ -327,14 +321,11 @@ class XlaFsdpPlugin:
         checkpoint_blocks: bool,
         flat_shard_key: Optional[FlatShardKey] = None,
         param_init_fn: Optional[Union[ParamInitFn, ShardSource]] = None,
-        blocks_checkpointed: bool = False,
     ) -> XlaFullyShardedDataParallel:
         """``model`` sharded by these settings (block class names checked against it); with
-        ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed;
-        ``blocks_checkpointed``: its blocks are checkpointed already (its own gradient
-        checkpointing, taken over). ``flat_shard_key``, ``param_init_fn``: see
-        ``XlaFullyShardedDataParallel``."""
-        options = self.engine_options(compute_dtype, checkpoint_blocks or blocks_checkpointed)
+        ``checkpoint_blocks``, every unit the policy makes (or the whole model) checkpointed.
+        ``flat_shard_key``, ``param_init_fn``: see ``XlaFullyShardedDataParallel``."""
+        options = self.engine_options(compute_dtype)
         policy = self.wrap_policy(model)
         wrapper = _checkpointed_unit if checkpoint_blocks else None
         root = checkpoint_module(model) if checkpoint_blocks and policy is None else model
