@@ -153,7 +153,15 @@ def parameter_count(config: Any) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _as_loaded(model).parameters())
+
+
+def _as_loaded(model: Any) -> Any:
+    """``model`` with its weights tied as its config says. ``from_config`` leaves them apart
+    (transformers 5); ``from_pretrained``, what users fine-tune, ties them: Llama-3.2-1B's and
+    Gemma-2's lm_head is their embedding, one table, not two."""
+    model.tie_weights()
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +213,8 @@ def _model_on_meta(config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    return _as_loaded(model)  # outside: init_empty_weights makes the re-registered tied weight anew
 
 
 def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:

@@ -107,6 +107,24 @@ def test_config_file_settings_and_overrides(tmp_path: Path, capsys, tiny: Path, 
     assert str(bad) in err and "xla_fsdp_no_such_key" in err
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_embeddings_are_one_table(tied: bool) -> None:
+    """As ``from_pretrained`` loads them: a tied lm_head is the embedding (Llama-3.2-1B, Gemma-2),
+    counted and traced once."""
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=1000,
+        tie_word_embeddings=tied,
+    )
+    model = plan._model_on_meta(config)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    untied = plan.parameter_count(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
+    assert plan.parameter_count(config) == untied - (1000 * 128 if tied else 0)
+
+
 def test_extrapolation_is_linear_in_depth() -> None:
     one = plan.Step(1, 10.0, 5.0, 5.0, 3.0, 13.0, 7.0, 7.0, {"all-gather": 5, "reduce-scatter": 3})
     two = plan.Step(2, 14.0, 7.0, 7.0, 4.0, 18.0, 9.0, 9.0, {"all-gather": 7, "reduce-scatter": 4})
