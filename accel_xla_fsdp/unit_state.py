@@ -271,7 +271,7 @@ class UnitState:
 
     def install_weight_grad_sinks(self) -> None:
         """``reduce_scatter_in_linear_backward``: give each patched Linear's weight that is a dim-0
-        group of this unit's own (not tied) the sink that reduce-scatters its gradient in chunks
+        group of this unit's own (tied or not) the sink that reduce-scatters its gradient in chunks
         when this unit is the root (which the sink asks when called: the root is the outermost
         unit, known only once it is built)."""
         options = self.options
@@ -282,7 +282,7 @@ class UnitState:
         weights = {id(m.weight) for m in self.module.modules() if linear.is_patched(m)}
         for group in self.param_groups:
             slot = group.slots[0]
-            if group.spec.dim0 and len(group.slots) == 1 and not slot.aliases and id(slot.param) in weights:
+            if group.spec.dim0 and len(group.slots) == 1 and id(slot.param) in weights:
                 linear.set_weight_grad_sink(slot.param, functools.partial(self._reduce_linear_weight_grad, group))
 
     @torch.no_grad()
@@ -300,7 +300,14 @@ class UnitState:
         reduced = group.reduce_linear_weight_grad(grad_output, input)
         # Not noted for the next gather's barrier (_note_reduced): tied to the last block's gather,
         # lm_head's chunks planned 477.5 against 362.2 MB (issue 25's Llama, bf16, v5e-8).
-        self.grad_bucket.take_reduced(group, reduced, self.options.optimization_barrier_in_backward)
+        barrier = self.options.optimization_barrier_in_backward
+        if group.slots[0].aliases:
+            # A tied weight (lm_head is the embedding): this use's part is reduced now, added to
+            # the shard's gradient; the embedding's comes through autograd at the end of backward
+            # and takes the group as usual. Reduce-scattering is linear: the sum is the same.
+            group.add_reduced_grad(reduced, barrier)
+            return True
+        self.grad_bucket.take_reduced(group, reduced, barrier)
         self._end_if_all_in()
         return True
 

@@ -61,10 +61,12 @@ CASES = [
     Case("moe", COALESCE + SMALL_BUCKETS),
     Case("frozen_odd", DIM0 + COALESCE + BUCKET_1MB),
     # Gradients reduce-scattered chunk by chunk in the Linear's backward: several chunks; lm_head
-    # (padded rows), accumulated over micro-batches; nested units' Linears left to autograd.
+    # (padded rows), accumulated over micro-batches; nested units' Linears left to autograd; a head
+    # tied to the embedding (its part reduced in its backward, the embedding's at the end).
     Case("wide_head", LINEAR_RS),
     Case("llama", LINEAR_RS, optimizer="sgd", accumulation=2),
     Case("nested_linear", LINEAR_RS + NO_RESHARD),
+    Case("tied_transformer", LINEAR_RS, optimizer="sgd", accumulation=2),  # the head is the embedding
 ]
 
 
