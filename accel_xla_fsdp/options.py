@@ -172,10 +172,12 @@ class FsdpOptions:
         "With shard_param_on_dim_0 and the patched nn.Linear: in the root unit (lm_head's), a "
         "Linear's backward computes its weight's gradient chunk by chunk, in the chunks a TPU "
         "reduce-scatters it in, and reduces each as it is made, so the full gradient (vocabulary x "
-        "hidden) is never whole (under no_sync it is, as before). Off by default: on v5e-8 it "
-        "lowers the plan of issue 25's 4-layer Llama in bf16 from 493.1 to 362.2 MB per chip (SPMD "
-        "FSDPv2: 358.9), but not real models' (Llama-3.1-8B in bf16: 48.89 against 48.83 GiB, 8.78 "
-        "against 8.70 checkpointed), whose peak lies elsewhere (docs/tpu.md).",
+        "hidden) is never whole (under no_sync it is, as before); a tied head's part is reduced at "
+        "once, the embedding's at the end. Off by default: on v5e-8 it lowers the plan of issue "
+        "25's 4-layer Llama in bf16 from 493.1 to 362.2 MB per chip (SPMD FSDPv2: 358.9) and tied "
+        "Llama-3.2-1B's from 4.53 to 3.23 GiB (for 1.08x the traffic floor: the tied table is "
+        "reduce-scattered twice), but not untied real models' (Llama-3.1-8B in bf16: 48.89 against "
+        "48.83 GiB, 8.78 against 8.70 checkpointed), whose peak lies elsewhere (docs/tpu.md).",
     )
 
     def __post_init__(self) -> None:
