@@ -94,12 +94,18 @@ def test_config_file_settings_and_overrides(tmp_path: Path, capsys, tiny: Path, 
     """The launch config's mixed_precision and fsdp_activation_checkpointing are the defaults."""
     parser = cli.build_parser()
     args = parser.parse_args(["plan", str(tiny), "--topology", "v5e-8", "--config_file", TPU_PLUGIN])
-    assert plan._launch_settings(args) == ("bf16", True)
+    assert plan._launch_settings(args) == ("bf16", True, False)
     args = parser.parse_args(
         ["plan", str(tiny), "--topology", "v5e-8", "--config_file", TPU_PLUGIN, "--precision", "fp32"]
         + ["--no-gradient-checkpointing"]
     )
-    assert plan._launch_settings(args) == ("fp32", False)
+    assert plan._launch_settings(args) == ("fp32", False, False)
+    lm_head = tmp_path / "lm_head.yaml"
+    lm_head.write_text(
+        Path(TPU_PLUGIN).read_text().replace("fsdp_config:", f"fsdp_config:\n  {plan.LM_HEAD_KEY}: true")
+    )
+    args = parser.parse_args(["plan", str(tiny), "--topology", "v5e-8", "--config_file", str(lm_head)])
+    assert plan._launch_settings(args) == ("bf16", True, True)
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(TPU_PLUGIN).read_text().replace("fsdp_config:", "fsdp_config:\n  xla_fsdp_no_such_key: 1"))
     monkeypatch.setenv(plan.TPU_PYTHON_ENV, sys.executable)
@@ -143,6 +149,10 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     assert [h.split(" ")[0] for h in found] == ["bf16", "gradient", "a", "more"]
     assert "20.0 GiB per chip" in found[-1]
     result.update(precision="bf16", gradient_checkpointing=True, batch_per_chip=1)
+    assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
+    result.update(tied_embeddings=True)  # Gemma-2, Llama-3.2-1B
+    assert [h.split(" ")[0] for h in plan.hints(result)] == ["xla_fsdp_reduce_scatter_in_linear_backward:", "more"]
+    result.update(lm_head_gradient_in_backward=True)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
 
 
