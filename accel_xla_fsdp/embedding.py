@@ -9,7 +9,8 @@ held through the whole forward and backward, on every replica (Llama 0.16 B, voc
 CPU, ``EmbeddingFunction`` makes the same scatter-add into zeros that take an exact zero computed
 from the incoming gradient (``_xla.order_after``), so the compiler cannot make them before
 backward reaches the embedding. The gradient is autograd's bit for bit (tests/test_memory.py).
-Elsewhere the stock forward stays: a TPU's scheduler plans memory and needs no help.
+Elsewhere autograd's own backward stays: a TPU's scheduler plans memory and needs no help.
+In the root, FSDP may compute the embedding from its weight's shard instead (sharded_tables.py).
 
 The patch replaces the ``forward`` of each stock ``nn.Embedding`` instance, as linear.py does for
 ``nn.Linear``: replica threads share one interpreter, so there is no global patch.
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _xla
+from . import _xla, sharded_tables
 
 
 class EmbeddingFunction(torch.autograd.Function):
@@ -50,8 +51,12 @@ class EmbeddingFunction(torch.autograd.Function):
 
 
 def _patched_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    if not (torch.is_grad_enabled() and self.weight.requires_grad):
-        # No weight gradient to build (and an autograd.Function cannot run under inference_mode).
+    table = sharded_tables.table_of(self)
+    if table is not None:  # FSDP's root computes it from the weight's shard
+        return sharded_tables.embedding(table, ids, table.group.shard, self.padding_idx)
+    if not (torch.is_grad_enabled() and self.weight.requires_grad and _xla.on_cpu()):
+        # No weight gradient to build (and an autograd.Function cannot run under inference_mode),
+        # or not on the CPU: autograd's own.
         return F.embedding(ids, self.weight, self.padding_idx)
     return EmbeddingFunction.apply(ids, self.weight, self.padding_idx)
 
@@ -71,13 +76,16 @@ def _is_stock_embedding(m: nn.Module) -> bool:
 
 
 def patch_embedding_modules(module: nn.Module) -> int:
-    """On XLA:CPU, give every stock ``nn.Embedding`` under ``module`` ``EmbeddingFunction``'s
-    forward; returns how many. Elsewhere none."""
-    if not _xla.on_cpu():
-        return 0
+    """Give every stock ``nn.Embedding`` under ``module`` the patched forward (``EmbeddingFunction``
+    on XLA:CPU, or the root's table from its shard); returns how many."""
     patched = 0
     for m in module.modules():
         if _is_stock_embedding(m):
             m.forward = MethodType(_patched_forward, m)  # per instance, on purpose
             patched += 1
     return patched
+
+
+def is_patched(m: nn.Module) -> bool:
+    """Whether ``m`` runs the patched forward (``patch_embedding_modules``)."""
+    return isinstance(m, nn.Embedding) and getattr(m.forward, "__func__", None) is _patched_forward

@@ -179,6 +179,15 @@ class FsdpOptions:
         "reduce-scattered twice), but not untied real models' (Llama-3.1-8B in bf16: 48.89 against "
         "48.83 GiB, 8.78 against 8.70 checkpointed), whose peak lies elsewhere (docs/tpu.md).",
     )
+    keep_vocabulary_sharded: bool = _option(
+        False,
+        "With shard_param_on_dim_0: the root unit computes its Embeddings and patched Linears "
+        "(a causal LM's embedding and lm_head) from their weights' shards, never gathered whole: "
+        "the embedding looks up every replica's tokens in each replica's rows and reduce-scatters "
+        "them (all-gathers the tokens' gradient rows in backward), lm_head gathers its rows a chunk "
+        "at a time in forward and again in backward (sharded_tables.py). Their gradients arrive "
+        "reduced, also under no_sync.",
+    )
 
     def __post_init__(self) -> None:
         compute = _check_dtype("compute_dtype", self.compute_dtype or torch.float32)
@@ -188,6 +197,12 @@ class FsdpOptions:
             raise ValueError(
                 "flatten_parameters=True and shard_param_on_dim_0=True contradict each other: a flat "
                 "shard has no dim 0 of its own. Choose one."
+            )
+        if self.keep_vocabulary_sharded and not self.shard_param_on_dim_0:
+            raise ValueError(
+                "keep_vocabulary_sharded=True needs shard_param_on_dim_0=True: a table is computed from "
+                "the rows of its shard. Set shard_param_on_dim_0=True too, or leave "
+                "keep_vocabulary_sharded off."
             )
         multiple = self.shard_size_multiple
         if multiple is None:

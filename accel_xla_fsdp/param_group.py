@@ -89,6 +89,9 @@ class ShardedParamGroup:
         self.options = options
         self.sharding = sharding
         self.gathered = False
+        # The root's vocabulary table computed from the shard (sharded_tables.py): not gathered
+        # for compute; set by the root state.
+        self.kept_sharded = False
         self._grads_seen = 0
         self._requires_grad = requires_grad
         self.grad_hooked: Set[int] = set()  # ids of the full parameters whose gradient is hooked

@@ -234,7 +234,8 @@ def _with_output_shardings(text: str, outputs: List[torch.Tensor]) -> str:
 def communication_floor(root: XlaFullyShardedDataParallel, training: bool = True, micro_batches: int = 1) -> float:
     """The ring traffic per chip (bytes sent) below which no FSDP step of ``root`` goes: each
     parameter gathered once per forward and, training, once again per backward unless its unit
-    keeps it (the root with ``disable_reshard_on_root``, or ``reshard_after_forward=False``), in
+    keeps it (the root with ``disable_reshard_on_root``, or ``reshard_after_forward=False``; not
+    a table kept sharded, ``keep_vocabulary_sharded``, which is gathered a chunk at a time), in
     the compute dtype; each trainable gradient reduce-scattered once per step (``micro_batches``
     minus one of them under ``no_sync``), in the reduce dtype. Tensors padded as sharded. On a
     ring of n chips a gather or a reduce-scatter of a full tensor of S bytes sends (n - 1) / n * S.
@@ -244,8 +245,8 @@ def communication_floor(root: XlaFullyShardedDataParallel, training: bool = True
         n = unit.sharding.world_size
         options = unit.options
         keeps = not options.reshard_after_forward or (unit.is_root and options.disable_reshard_on_root)
-        gathers = (2 if training and not keeps else 1) * micro_batches
         for group in unit.param_groups:
+            gathers = (2 if training and not (keeps and not group.kept_sharded) else 1) * micro_batches
             full = group.shard.numel() * n
             total += gathers * (n - 1) / n * full * _dtype_bytes(options.compute_dtype)
             if training and group.requires_grad:

@@ -59,7 +59,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import _xla, linear
+from . import _xla, embedding, linear, sharded_tables
 from .checkpointing import in_recompute
 from .collectives import GradBucket, gather_groups
 from .options import FsdpOptions, ShardingGroup
@@ -151,20 +151,23 @@ class UnitState:
 
     @property
     def params_gathered(self) -> bool:
-        return all(g.gathered for g in self.param_groups)
+        """Whether every group is gathered, or kept sharded for compute (``keep_vocabulary_sharded``)."""
+        return all(g.gathered or g.kept_sharded for g in self.param_groups)
 
     def gather_params(
         self,
         deps: Optional[List[torch.Tensor]],
         dtype: Optional[torch.dtype] = None,
         after_collectives: Sequence[torch.Tensor] = (),
+        for_compute: bool = True,
     ) -> None:
         """Gather every group of this unit (in one all-gather with ``coalesce_all_gather_ops``);
         with ``deps``, not before those are computed. ``after_collectives``: more dependencies,
         outputs of collectives (reduced gradients), which the barrier takes too; on the CPU the
         gather follows them anyway (XLA orders collectives among themselves), so the ordering
-        zero, traced from each dependency, leaves them out."""
-        pending = [g for g in self.param_groups if not g.gathered]
+        zero, traced from each dependency, leaves them out. ``for_compute``: for the unit's
+        forward and backward, which compute the groups kept sharded from their shards."""
+        pending = [g for g in self.param_groups if not (g.gathered or (for_compute and g.kept_sharded))]
         if not pending:
             return
         with torch.no_grad():
@@ -208,6 +211,8 @@ class UnitState:
             self._hook_output_grads(output_tensors)
             if self.options.optimization_barrier_in_backward:
                 self.root_state.hook_input_grads(_tensors_in((args, kwargs)))
+                if self.is_root and not in_recompute():
+                    self.root_state.forward_outputs = [t for t in output_tensors if t.dim() == 0]
         self.training_state = TrainingState.IDLE
 
     def _frees_after_forward(self) -> bool:
@@ -243,7 +248,11 @@ class UnitState:
         if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.training_state = TrainingState.BACKWARD_PRE
         if barrier:
-            _xla.optimization_barrier_([grad])
+            # With the root's scalar outputs (the loss), computed before backward goes on: the TPU
+            # compiler left the loss's reduction for the step's end, which held the logits through
+            # the whole backward (docs/tpu.md).
+            _xla.optimization_barrier_([grad] + state.forward_outputs)
+            state.forward_outputs = []
             return grad.view(grad.size())
         return grad
 
@@ -268,6 +277,23 @@ class UnitState:
         if group.note_grad_ready() and self.root_state.sync_gradients:
             self.reduce_group(group)
             self._end_if_all_in()
+
+    def keep_tables_sharded(self, is_root: bool) -> None:
+        """``keep_vocabulary_sharded``: in the root, compute each stock Embedding and patched Linear
+        whose weight is a dim-0 group of this unit's own from that group's shard, never gathered
+        whole (sharded_tables.py); in any other unit (a former root), gather them again."""
+        options = self.options
+        keep = is_root and options.keep_vocabulary_sharded and self.sharding.world_size > 1
+        for group in self.param_groups:
+            group.kept_sharded = False
+        if not keep:
+            return
+        dim0 = {id(g.slots[0].param): g for g in self.param_groups if g.spec.dim0 and len(g.slots) == 1}
+        for m in self.module.modules():
+            table = dim0.get(id(m.weight)) if embedding.is_patched(m) or linear.is_patched(m) else None
+            if table is not None:
+                sharded_tables.attach(m, table)
+                table.kept_sharded = True
 
     def install_weight_grad_sinks(self) -> None:
         """``reduce_scatter_in_linear_backward``: give each patched Linear's weight that is a dim-0
@@ -348,11 +374,13 @@ class RootState:
         self.device = _xla.device()
         self.backward_deps: List[torch.Tensor] = []  # gradients computed since the last gather
         self.reduced_grads: List[torch.Tensor] = []  # reduce-scatter outputs since the last gather
+        self.forward_outputs: List[torch.Tensor] = []  # the root's scalar outputs, until backward
         self.finalize_queued = False
         self.forward_order: List[UnitState] = []  # of the last forward
         self.sync_gradients = True
         for unit in self.units:
             unit.root_state = self
+            unit.keep_tables_sharded(unit is self.root)
         _track_root(self)
 
     def units_under(self, unit: UnitState) -> List[Tuple[str, UnitState]]:
@@ -459,7 +487,7 @@ def holding_full_params(units: List[UnitState], in_shard_dtype: bool, writeback:
     with torch.no_grad():
         for unit in units:
             dtype = unit.param_groups[0].shard.dtype if in_shard_dtype and unit.param_groups else None
-            unit.gather_params(None, dtype=dtype)
+            unit.gather_params(None, dtype=dtype, for_compute=False)
             unit.summoned = True
         try:
             yield

@@ -30,6 +30,8 @@ BUCKET_1MB = (("reduce_scatter_bucket_size_mb", 1),)
 SMALL_BUCKETS = (("reduce_scatter_bucket_size_mb", 0.01),)
 # The root's Linear weights' gradients reduced in chunks in their backward (param_group.py).
 LINEAR_RS = DIM0 + (("reduce_scatter_in_linear_backward", True),)
+# The root's Embeddings and Linears computed from their shards (sharded_tables.py).
+KEEP_SHARDED = DIM0 + (("keep_vocabulary_sharded", True),)
 
 CASES = [
     # Every sharding layout, with and without resharding after forward.
@@ -67,6 +69,14 @@ CASES = [
     Case("llama", LINEAR_RS, optimizer="sgd", accumulation=2),
     Case("nested_linear", LINEAR_RS + NO_RESHARD),
     Case("tied_transformer", LINEAR_RS, optimizer="sgd", accumulation=2),  # the head is the embedding
+    # The root's tables never gathered whole: lm_head in several chunks; the embedding from its
+    # rows (llama: fewer tokens than rows) or gathered whole (tied_transformer: more), under
+    # no_sync too, tied, checkpointed; nested units' Linears left to FSDP's gathers.
+    Case("wide_head", KEEP_SHARDED),
+    Case("llama", KEEP_SHARDED, optimizer="sgd", accumulation=2),
+    Case("llama", KEEP_SHARDED, optimizer="adamw", checkpoint=True),
+    Case("tied_transformer", KEEP_SHARDED, optimizer="sgd", accumulation=2),
+    Case("nested_linear", KEEP_SHARDED + NO_RESHARD),
 ]
 
 

@@ -42,6 +42,7 @@ EXPECTED: Dict[str, Tuple[int, int]] = {
     # a vocabulary of 16384: the embedding's and lm_head's gradients two chunks each
     "lm_head_in_backward": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS + 2),
     "lm_head_by_autograd": (2 * LAYERS * LAYER + ROOT_PARAMS, PARAMS + 2),
+    # "vocabulary_sharded": below the floor (test_vocabulary_tables_are_never_whole)
     "no_sync": (2 * (2 * LAYERS * LAYER + ROOT_PARAMS), PARAMS),  # two micro-batches, one reduce
     "eval": (PARAMS, 0),  # a forward under no_grad
 }
@@ -161,3 +162,36 @@ def test_lm_head_gradient_is_never_whole(compiled, topology: str) -> None:
 
     assert full_products("lm_head_in_backward") == 0
     assert full_products("lm_head_by_autograd") == 1
+
+
+# lm_head's or the embedding's whole table (vocabulary 16384 x hidden 128), gathered.
+_WHOLE_TABLE_GATHER = re.compile(r"^\s*%\S+ = \w+\[16384,128\]\S* all-gather", re.M)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_vocabulary_tables_are_never_whole(compiled, topology: str) -> None:
+    """keep_vocabulary_sharded: lm_head is gathered, multiplied and reduce-scattered in its two
+    chunks, forward and backward; the embedding looks up every chip's tokens in each chip's rows
+    (an all-gather of the ids, a reduce-scatter of the rows) and gets its gradient from the tokens'
+    rows (an all-gather): neither table is ever gathered, nor its gradient made, whole. That moves
+    less than FSDP's floor. (Memory is measured on larger models, docs/tpu.md: this one's default
+    step fits the chips' on-chip memory, temp 0, where the chunks' take 5.5 MiB of HBM.)"""
+    kept, whole = compiled["vocabulary_sharded", topology], compiled["lm_head_by_autograd", topology]
+    kinds = {kind: c["count"] for kind, c in kept["collectives"].items()}
+    layers = 2 * LAYERS * LAYER  # each gathered in forward and backward
+    # the final norm once, lm_head's 2 chunks twice, the embedding's gradient rows
+    gathers = layers + 1 + 2 * 2 + 1
+    # the layers' and the norm's gradients, lm_head's 2 chunks, the embedding's looked-up rows
+    reduce_scatters = LAYERS * LAYER + 1 + 2 + 1
+    # the ids' gather (4 x 32 int32), which the compiler makes an all-reduce of 128 zero-padded ids
+    assert kinds == {"all-gather": gathers, "all-reduce": 1, "reduce-scatter": reduce_scatters}
+    assert kept["collectives"]["all-reduce"]["bytes"] == 4 * 128
+    assert kept["ring_bytes"] < kept["floor"]
+    assert kept["ring_bytes"] < whole["ring_bytes"]
+
+    def count(pattern: re.Pattern, name: str) -> int:
+        return len(pattern.findall(Path(compiled[name, topology]["optimized"]).read_text()))
+
+    assert count(_FULL_LM_HEAD_PRODUCT, "vocabulary_sharded") == 0
+    assert count(_WHOLE_TABLE_GATHER, "vocabulary_sharded") == 0
+    assert count(_WHOLE_TABLE_GATHER, "lm_head_by_autograd") == 2  # the check finds what it looks for

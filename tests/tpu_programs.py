@@ -47,19 +47,15 @@ def dim0() -> FSDP:
     return FSDP(model, auto_wrap_policy=transformer_block_policy(), shard_param_on_dim_0=True)
 
 
-def dim0_lm_head(in_backward: bool) -> FSDP:
+def dim0_lm_head(**options) -> FSDP:
     """dim0's Llama with a vocabulary of 16384: lm_head's gradient is two reduce-scatter chunks on 4
     chips, made and reduced one by one in its backward (``reduce_scatter_in_linear_backward``), or
-    by autograd whole (the default)."""
+    by autograd whole (the default); with ``keep_vocabulary_sharded`` lm_head is also gathered in
+    those two chunks, and the embedding computed from its rows."""
     with seeded(0):
         config = LlamaConfig(**{**LLAMA_CONFIG, **WIDE, "vocab_size": 16384}, attn_implementation="eager")
         model = LlamaForCausalLM(config)
-    return FSDP(
-        model,
-        auto_wrap_policy=transformer_block_policy(),
-        shard_param_on_dim_0=True,
-        reduce_scatter_in_linear_backward=in_backward,
-    )
+    return FSDP(model, auto_wrap_policy=transformer_block_policy(), shard_param_on_dim_0=True, **options)
 
 
 def nested() -> FSDP:
@@ -96,8 +92,9 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "checkpointed": (checkpointed, 1, "train"),
     "frozen": (frozen_embedding, 1, "train"),
     "dim0": (dim0, 1, "train"),
-    "lm_head_in_backward": (lambda: dim0_lm_head(True), 1, "train"),
-    "lm_head_by_autograd": (lambda: dim0_lm_head(False), 1, "train"),
+    "lm_head_in_backward": (lambda: dim0_lm_head(reduce_scatter_in_linear_backward=True), 1, "train"),
+    "lm_head_by_autograd": (lambda: dim0_lm_head(), 1, "train"),
+    "vocabulary_sharded": (lambda: dim0_lm_head(keep_vocabulary_sharded=True), 1, "train"),
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }

@@ -252,6 +252,7 @@ class XlaFsdpPlugin:
     shard_size_multiple: Optional[int] = _option("shard_size_multiple")
     use_xla_patched_linear: Optional[bool] = _option("use_xla_patched_linear")
     reduce_scatter_in_linear_backward: Optional[bool] = _option("reduce_scatter_in_linear_backward")
+    keep_vocabulary_sharded: Optional[bool] = _option("keep_vocabulary_sharded")
 
     def __post_init__(self) -> None:
         config = _config_file_settings()

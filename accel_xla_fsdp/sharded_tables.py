@@ -1,0 +1,221 @@
+"""The root's vocabulary tables computed from their dim-0 shards, never gathered whole
+(``keep_vocabulary_sharded``).
+
+FSDP gathers a unit's parameters whole for its computation. In the root of a causal LM those are
+the embedding and lm_head, vocabulary x hidden each: the largest values in a TPU step's plan, and
+under gradient checkpointing all that separates ours from SPMD FSDPv2's (docs/tpu.md). With dim-0
+shards replica r holds rows [r * R, (r + 1) * R) of a table (padded to N * R rows), and both
+modules can be computed from those rows:
+
+* Embedding: every replica's token ids are all-gathered; each replica looks them up in its own
+  rows (zero for the others') and the rows are reduce-scattered back to the replicas whose tokens
+  they are. A token's vector comes from one replica and zeros from the rest: the sum is exact.
+  Backward all-gathers the tokens' gradient rows, and each replica adds up those of the ids in its
+  rows: the reduce-scatter of the replicas' dense gradient tables, restricted to its shard, in
+  another order of addition. When the replicas' tokens outnumber the table's rows, that moves and
+  holds more than the table itself, and the table is gathered whole as FSDP does.
+* Linear (lm_head): its rows are gathered a chunk at a time, the same rows of every replica's
+  shard (``_xla.reduce_scatter_row_chunks``), each chunk multiplied into its columns of the output
+  and dropped. Backward gathers each chunk again, adds its part of the input's gradient and
+  reduce-scatters its part of the weight's gradient as it is made. Optimization barriers chain the
+  chunks: without them the TPU compiler merged per-chunk products back into one whole table
+  (docs/tpu.md).
+
+The shard is the autograd input, so its gradient arrives reduced (the mean over replicas, as the
+reduce-scatter gives) through autograd's own accumulation: under ``no_sync`` it is reduced at every
+micro-batch. The module's full parameter stays unused (the unit does not gather it for compute);
+``summon_full_params`` and state dicts gather it as before.
+
+Every replica traces the same program: a replica's first row is a device tensor, not a constant
+(see the platform note).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _xla
+from .param_group import ShardedParamGroup
+
+_TABLE = "_accel_xla_fsdp_sharded_table"
+
+
+class ShardedTable:
+    """One module's table kept as its group's shard; set on the module (``attach``)."""
+
+    def __init__(self, group: ShardedParamGroup) -> None:
+        self.group = group
+        self.rows = group.slots[0].shape[0]  # the table's own rows, without the padding
+        self._first_row: Optional[torch.Tensor] = None  # this replica's first row, on the device
+
+    @property
+    def world(self) -> int:
+        return self.group.sharding.world_size
+
+    def weight(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard.to(self.group.options.compute_dtype)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        sharding, options = self.group.sharding, self.group.options
+        return _xla.all_gather(tensor, sharding.groups, options.pin_layout_in_collective_ops)
+
+    def reduce_scatter(self, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        sharding, options = self.group.sharding, self.group.options
+        return _xla.reduce_scatter_sum(
+            tensor, self.world, scale, sharding.groups, options.pin_layout_in_collective_ops
+        )
+
+    def local_ids(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every replica's ``ids`` (flat), as rows of this replica's shard (0 where not its own),
+        and which of them are its own."""
+        every = self.all_gather(ids.to(torch.int32))  # int32: what a TPU's collectives move natively
+        part_rows = self.group.shard.size(0)
+        if self._first_row is None:
+            start = self.group.sharding.rank * part_rows
+            self._first_row = torch.tensor(start, dtype=torch.int32, device=ids.device)
+        local = every - self._first_row
+        mine = (local >= 0) & (local < part_rows)
+        return torch.where(mine, local, 0).long(), mine
+
+
+def attach(module: nn.Module, group: ShardedParamGroup) -> None:
+    setattr(module, _TABLE, ShardedTable(group))
+
+
+def table_of(module: nn.Module) -> Optional[ShardedTable]:
+    """``module``'s table, when its group is kept sharded now (only the root's is)."""
+    table = module.__dict__.get(_TABLE)
+    return table if table is not None and table.group.kept_sharded else None
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+
+def embedding(table: ShardedTable, ids: torch.Tensor, shard: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    if torch.is_grad_enabled() and shard.requires_grad:
+        return _EmbeddingFromShard.apply(ids, shard, table, padding_idx)
+    with torch.no_grad():
+        return _EmbeddingFromShard.forward(_Context(), ids, shard, table, padding_idx)
+
+
+class _Context:
+    """Stands for autograd's context where there is no backward (evaluation)."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+
+class _EmbeddingFromShard(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, ids: torch.Tensor, shard: torch.Tensor, table: ShardedTable, padding_idx: Optional[int]
+    ) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        weight = table.weight(shard)
+        ctx.table, ctx.padding_idx, ctx.whole = table, padding_idx, flat.numel() >= shard.size(0)
+        if ctx.whole:  # more tokens than rows: the table moves less (module docstring)
+            ctx.save_for_backward(flat)
+            out = F.embedding(flat, table.all_gather(weight))
+        else:
+            local, mine = table.local_ids(flat)
+            ctx.save_for_backward(flat, local, mine)
+            rows = F.embedding(local, weight).masked_fill(~mine.unsqueeze(1), 0)
+            out = table.reduce_scatter(rows, 1.0)  # one replica's row and zeros: exact
+        return out.view(*ids.shape, weight.size(1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        table: ShardedTable = ctx.table
+        flat = ctx.saved_tensors[0]
+        rows = grad.reshape(-1, grad.size(-1)).to(table.group.options.reduce_dtype)
+        if ctx.padding_idx is not None:  # rows of padding ids add nothing, as in autograd's backward
+            rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
+        part_rows, world = table.group.shard.size(0), table.world
+        if ctx.whole:
+            dense = rows.new_zeros(world * part_rows, rows.size(1)).index_put((flat,), rows, accumulate=True)
+            return None, table.reduce_scatter(dense, 1.0 / world), None, None
+        _, local, mine = ctx.saved_tensors
+        every = table.all_gather(rows).masked_fill(~mine.unsqueeze(1), 0)
+        grad_shard = every.new_zeros(part_rows, rows.size(1)).index_put((local,), every, accumulate=True)
+        return None, grad_shard * (1.0 / world), None, None
+
+
+# -- linear ---------------------------------------------------------------------------------
+
+
+def linear(table: ShardedTable, input: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``input @ weight.T`` for the table's Linear, its weight gathered in chunks (no bias)."""
+    if torch.is_grad_enabled() and (shard.requires_grad or input.requires_grad):
+        return _LinearFromShard.apply(input, shard, table)
+    with torch.no_grad():
+        return _LinearFromShard.forward(_Context(), input, shard, table)
+
+
+def _chunks(table: ShardedTable, width: int) -> List[Tuple[int, int]]:
+    return _xla.reduce_scatter_row_chunks(table.group.shard.size(0), width)
+
+
+def _barrier_chunk(tensors: List[torch.Tensor], previous: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors``, copied and barriered with ``previous`` (the chunk before's results), so the
+    compiler keeps the chunks apart and in order (the barrier rewrites its operands: copies, not
+    views of the caller's tensors)."""
+    if not previous:
+        return tensors
+    copies = [t.clone() for t in tensors]
+    _xla.optimization_barrier_(copies + previous)
+    return copies
+
+
+class _LinearFromShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, shard: torch.Tensor, table: ShardedTable) -> torch.Tensor:
+        x = input.reshape(-1, input.size(-1))
+        weight, world = table.weight(shard), table.world
+        ctx.save_for_backward(x, shard)
+        ctx.table, ctx.input_shape = table, input.shape
+        out = x.new_empty(x.size(0), world, shard.size(0))  # columns as [replica, row of its part]
+        previous: List[torch.Tensor] = []
+        for start, stop in _chunks(table, x.size(1)):
+            (part,) = _barrier_chunk([weight[start:stop]], previous)
+            product = torch._C._nn.linear(x, table.all_gather(part))
+            out[:, :, start:stop] = product.view(x.size(0), world, stop - start)
+            previous = [out]
+        columns = out.view(x.size(0), -1)
+        if columns.size(1) != table.rows:
+            columns = columns[:, : table.rows]
+        return columns.reshape(*input.shape[:-1], table.rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        x, shard = ctx.saved_tensors
+        table: ShardedTable = ctx.table
+        weight, world, part_rows = table.weight(shard), table.world, shard.size(0)
+        grad = grad.reshape(-1, grad.size(-1))
+        if world * part_rows != grad.size(1):  # the padding rows' gradient is zero
+            grad = F.pad(grad, [0, world * part_rows - grad.size(1)])
+        columns = grad.view(-1, world, part_rows)
+        grad_input: Optional[torch.Tensor] = None  # in f32: the sum of the chunks' products
+        reduced: List[torch.Tensor] = []
+        previous: List[torch.Tensor] = []
+        for start, stop in _chunks(table, x.size(1)):
+            part, g = _barrier_chunk([weight[start:stop], columns[:, :, start:stop]], previous)
+            previous = []
+            if ctx.needs_input_grad[0]:
+                partial = g.reshape(g.size(0), -1).mm(table.all_gather(part)).float()
+                grad_input = partial if grad_input is None else grad_input + partial
+                previous.append(grad_input)
+            if ctx.needs_input_grad[1]:
+                full = torch.einsum("str,sw->trw", g, x).reshape(-1, x.size(1))
+                full = full.to(table.group.options.reduce_dtype)
+                reduced.append(table.reduce_scatter(full, 1.0 / world))
+                previous.append(reduced[-1])
+        grad_shard = None
+        if reduced:
+            grad_shard = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
+        if grad_input is not None:
+            grad_input = grad_input.to(x.dtype).view(ctx.input_shape)
+        return grad_input, grad_shard, None
