@@ -46,6 +46,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("options",),
     ("param_group",),
     ("collectives",),
+    ("sharded_tables",),  # the root's vocabulary tables, computed from their shards
     ("linear", "embedding", "checkpointing", "wrap"),
     ("unit_state",),
     ("state_dict",),
