@@ -36,7 +36,9 @@ optimization barriers at these points (proven on TPUs), and so do we, with the s
              collected as dependencies; barrier(shards + dependencies) before the backward gather;
              barrier(shard + full gradient) before the reduce-scatter (torch_xla's barrier(shard +
              gradient) at the free and barrier(padded gradient) in one: the padded gradient is
-             computed from the gradient), barrier(reduced) after it.
+             computed from the gradient), barrier(reduced) after it; the root's scalar outputs
+             (the loss) join the barrier on the gradient reaching the root, so they are computed
+             before backward goes on (ours, not torch_xla's: docs/tpu.md).
 Measured on XLA:CPU (torch_xla 2.9; tests/test_compiled_program.py): the two gathers are never
 merged there, barriers or not, because torch_xla threads a token through the collectives of a
 graph (each collective's operand is ``input + token``), and XLA:CPU removes the barriers right
