@@ -53,7 +53,7 @@ class EmbeddingFunction(torch.autograd.Function):
 def _patched_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     table = sharded_tables.table_of(self)
     if table is not None:  # FSDP's root computes it from the weight's shard
-        return sharded_tables.embedding(table, ids, table.group.shard, self.padding_idx)
+        return sharded_tables.embedding(table, ids, self.padding_idx)
     if not (torch.is_grad_enabled() and self.weight.requires_grad and _xla.on_cpu()):
         # No weight gradient to build (and an autograd.Function cannot run under inference_mode),
         # or not on the CPU: autograd's own.

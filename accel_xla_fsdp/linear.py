@@ -61,7 +61,7 @@ class PatchedLinearFunction(torch.autograd.Function):
 def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     table = sharded_tables.table_of(self)
     if table is not None:  # FSDP's root computes it from the weight's shard
-        out = sharded_tables.linear(table, input, table.group.shard)
+        out = sharded_tables.linear(table, input)
         return out if self.bias is None else out + self.bias
     if not torch.is_grad_enabled():
         # No backward to patch; and an autograd.Function cannot run under inference_mode.

@@ -274,30 +274,43 @@ class ShardedParamGroup:
         (``_xla.reduce_scatter_row_chunks``): the full gradient is never whole. Call under
         ``torch.no_grad()``.
 
-        Chunk c is the same rows of every replica's part, so its gradient is the product of those
-        columns of ``grad_output`` (a view as [tokens, replicas, rows]) with ``input``. Each chunk's
-        columns pass an optimization barrier with the chunk before's gradient: without it the TPU
-        compiler merged the chunks' products back into one full gradient (docs/tpu.md).
+        Each chunk's columns pass an optimization barrier with the chunk before's gradient: without
+        it the TPU compiler merged the chunks' products back into one full gradient (docs/tpu.md).
         """
-        world, rows, width = self.sharding.world_size, self.shard.size(0), input.size(1)
-        missing = world * rows - grad_output.size(1)  # the padding rows' gradient is zero
-        if missing:
-            grad_output = F.pad(grad_output, [0, missing])
-        columns = grad_output.view(-1, world, rows)
-        reduced, previous = [], None
-        for start, stop in _xla.reduce_scatter_row_chunks(rows, width):
+        columns = self.columns_by_replica(grad_output)
+        reduced: List[torch.Tensor] = []
+        previous: Optional[torch.Tensor] = None
+        for start, stop in _xla.reduce_scatter_row_chunks(self.shard.size(0), input.size(1)):
             part = columns[:, :, start:stop]
             if previous is not None:
                 part = part.clone()  # the barrier rewrites its operands: not grad_output's view
                 _xla.optimization_barrier_([part, previous])
-            full = torch.einsum("str,sw->trw", part, input).reshape(-1, width)
-            previous = _in_dtype(full, self.options.reduce_dtype)
-            reduced.append(
-                _xla.reduce_scatter_sum(
-                    previous, world, 1.0 / world, self.sharding.groups, self.options.pin_layout_in_collective_ops
-                )
-            )
+            previous = self.weight_grad_chunk(part, input)
+            reduced.append(self.reduce_scatter_mean(previous))
         return reduced[0] if len(reduced) == 1 else torch.cat(reduced)
+
+    def columns_by_replica(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """``grad_output`` (2-D, a column per row of this group's weight) with the padding rows'
+        columns (zero) added, as [tokens, replicas, rows of a part]: rows [start, stop) of every
+        replica's part, one chunk of the reduce-scatter, are ``[:, :, start:stop]``."""
+        world, rows = self.sharding.world_size, self.shard.size(0)
+        missing = world * rows - grad_output.size(1)
+        if missing:
+            grad_output = F.pad(grad_output, [0, missing])
+        return grad_output.view(-1, world, rows)
+
+    def weight_grad_chunk(self, columns: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """One chunk of the weight's gradient as every replica's part holds it: ``columns`` (a chunk
+        of ``columns_by_replica``) times ``input``, as rows, in the reduce dtype."""
+        full = torch.einsum("str,sw->trw", columns, input).reshape(-1, input.size(1))
+        return _in_dtype(full, self.options.reduce_dtype)
+
+    def reduce_scatter_mean(self, full: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of ``full`` averaged over the sharding group (a reduce-scatter)."""
+        world = self.sharding.world_size
+        return _xla.reduce_scatter_sum(
+            full, world, 1.0 / world, self.sharding.groups, self.options.pin_layout_in_collective_ops
+        )
 
     def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
         """Accumulate this replica's reduced shard of the gradient into ``shard.grad``; returns

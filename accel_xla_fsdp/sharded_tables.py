@@ -95,7 +95,8 @@ def table_of(module: nn.Module) -> Optional[ShardedTable]:
 # -- embedding ------------------------------------------------------------------------------
 
 
-def embedding(table: ShardedTable, ids: torch.Tensor, shard: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+def embedding(table: ShardedTable, ids: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    shard = table.group.shard
     if torch.is_grad_enabled() and shard.requires_grad:
         return _EmbeddingFromShard.apply(ids, shard, table, padding_idx)
     with torch.no_grad():
@@ -147,8 +148,9 @@ class _EmbeddingFromShard(torch.autograd.Function):
 # -- linear ---------------------------------------------------------------------------------
 
 
-def linear(table: ShardedTable, input: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+def linear(table: ShardedTable, input: torch.Tensor) -> torch.Tensor:
     """``input @ weight.T`` for the table's Linear, its weight gathered in chunks (no bias)."""
+    shard = table.group.shard
     if torch.is_grad_enabled() and (shard.requires_grad or input.requires_grad):
         return _LinearFromShard.apply(input, shard, table)
     with torch.no_grad():
@@ -159,15 +161,10 @@ def _chunks(table: ShardedTable, width: int) -> List[Tuple[int, int]]:
     return _xla.reduce_scatter_row_chunks(table.group.shard.size(0), width)
 
 
-def _barrier_chunk(tensors: List[torch.Tensor], previous: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``tensors``, copied and barriered with ``previous`` (the chunk before's results), so the
-    compiler keeps the chunks apart and in order (the barrier rewrites its operands: copies, not
-    views of the caller's tensors)."""
-    if not previous:
-        return tensors
-    copies = [t.clone() for t in tensors]
-    _xla.optimization_barrier_(copies + previous)
-    return copies
+def _after(previous: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors``, barriered with ``previous`` (the chunk before's results, when there is one)
+    as stand-ins, so the compiler keeps the chunks apart and in order."""
+    return _xla.optimization_barrier_(previous, read_only=tensors) if previous else tensors
 
 
 class _LinearFromShard(torch.autograd.Function):
@@ -180,7 +177,7 @@ class _LinearFromShard(torch.autograd.Function):
         out = x.new_empty(x.size(0), world, shard.size(0))  # columns as [replica, row of its part]
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
-            (part,) = _barrier_chunk([weight[start:stop]], previous)
+            (part,) = _after(previous, [weight[start:stop]])
             product = torch._C._nn.linear(x, table.all_gather(part))
             out[:, :, start:stop] = product.view(x.size(0), world, stop - start)
             previous = [out]
@@ -193,25 +190,20 @@ class _LinearFromShard(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         x, shard = ctx.saved_tensors
         table: ShardedTable = ctx.table
-        weight, world, part_rows = table.weight(shard), table.world, shard.size(0)
-        grad = grad.reshape(-1, grad.size(-1))
-        if world * part_rows != grad.size(1):  # the padding rows' gradient is zero
-            grad = F.pad(grad, [0, world * part_rows - grad.size(1)])
-        columns = grad.view(-1, world, part_rows)
+        weight = table.weight(shard)
+        columns = table.group.columns_by_replica(grad.reshape(-1, grad.size(-1)))
         grad_input: Optional[torch.Tensor] = None  # in f32: the sum of the chunks' products
         reduced: List[torch.Tensor] = []
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
-            part, g = _barrier_chunk([weight[start:stop], columns[:, :, start:stop]], previous)
+            part, g = _after(previous, [weight[start:stop], columns[:, :, start:stop]])
             previous = []
             if ctx.needs_input_grad[0]:
                 partial = g.reshape(g.size(0), -1).mm(table.all_gather(part)).float()
                 grad_input = partial if grad_input is None else grad_input + partial
                 previous.append(grad_input)
             if ctx.needs_input_grad[1]:
-                full = torch.einsum("str,sw->trw", g, x).reshape(-1, x.size(1))
-                full = full.to(table.group.options.reduce_dtype)
-                reduced.append(table.reduce_scatter(full, 1.0 / world))
+                reduced.append(table.group.reduce_scatter_mean(table.group.weight_grad_chunk(g, x)))
                 previous.append(reduced[-1])
         grad_shard = None
         if reduced:
