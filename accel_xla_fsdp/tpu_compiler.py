@@ -228,7 +228,9 @@ def compile_program(
 
 
 _ALLOCATION = re.compile(r"^allocation \d+: size (?P<size>\d+), (?P<kind>.*)$")
-_VALUE = re.compile(r"^ value: <\d+ (?P<name>[^\s>]+) @\d+> \(size=(?P<size>\d+),offset=\d+\): (?P<shape>\S+)")
+_VALUE = re.compile(
+    r"^ value: <\d+ (?P<name>[^\s>]+) @\d+> \(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>\S+)"
+)
 _LIVE = re.compile(r"^\s+(?P<name>[^\s:]+):(?P<start>\d+)-(?P<end>\d+)$")
 
 
@@ -237,6 +239,7 @@ class LiveValue:
     name: str  # the optimized HLO's instruction (and tuple index)
     shape: str
     size: int
+    offset: int  # in the temp allocation: values updated in place share one
     start: int  # its live range, in the schedule's steps
     end: int
 
@@ -245,7 +248,10 @@ def temp_at_peak(dump_dir: str) -> Tuple[int, int, List[LiveValue]]:
     """What the temp holds at its peak, from a compile's dumps (``--dump-to``): the step of the
     schedule where the live values of the main temp allocation (HBM: color 0) add up most, that
     sum, and those values, largest first. Sizes as the buffer assignment gives them (tiled); the
-    temp the compiler reports can exceed the sum (fragmentation of its heap)."""
+    temp the compiler reports can exceed the sum (fragmentation of its heap). An op that updates a
+    buffer in place (a dynamic-update-slice, or the select torch_xla traces a slice assignment
+    as) ends one value and starts the next at the same step and offset: the buffer counts once,
+    listed as the newer value."""
     import glob
 
     def one(pattern: str) -> str:
@@ -254,7 +260,7 @@ def temp_at_peak(dump_dir: str) -> Tuple[int, int, List[LiveValue]]:
             raise FileNotFoundError(f"no {pattern} in {dump_dir}: compile with --dump-to")
         return open(found[-1]).read()
 
-    sizes: Dict[str, Tuple[int, str]] = {}
+    places: Dict[str, Tuple[int, int, str]] = {}
     in_temp = False
     for line in one("*after_optimizations-buffer-assignment.txt").splitlines():
         allocation = _ALLOCATION.match(line)
@@ -264,24 +270,32 @@ def temp_at_peak(dump_dir: str) -> Tuple[int, int, List[LiveValue]]:
         value = _VALUE.match(line) if in_temp else None
         if value:
             name = value["name"] if "{" in value["name"] else value["name"] + "{}"
-            sizes[name] = (int(value["size"]), value["shape"].lstrip("(").split("{")[0])
+            places[name] = (int(value["size"]), int(value["offset"]), value["shape"].lstrip("(").split("{")[0])
     live: List[LiveValue] = []
     for line in one("*after_optimizations-live-range.txt").split("BufferLiveRange:", 1)[-1].splitlines():
         m = _LIVE.match(line)
-        if m and m["name"] in sizes:
-            size, shape = sizes[m["name"]]
-            live.append(LiveValue(m["name"], shape, size, int(m["start"]), int(m["end"])))
+        if m and m["name"] in places:
+            size, offset, shape = places[m["name"]]
+            live.append(LiveValue(m["name"], shape, size, offset, int(m["start"]), int(m["end"])))
     steps = max((v.end for v in live), default=0) + 2
-    delta = [0] * steps
+    events: List[List[Tuple[Tuple[int, int], int]]] = [[] for _ in range(steps)]
     for v in live:
-        delta[v.start] += v.size
-        delta[v.end + 1] -= v.size
+        events[v.start].append(((v.offset, v.size), 1))
+        events[v.end + 1].append(((v.offset, v.size), -1))
+    holders: Dict[Tuple[int, int], int] = {}  # a buffer's live values
     total, peak, at = 0, 0, 0
-    for step, d in enumerate(delta):
-        total += d
+    for step, changes in enumerate(events):
+        for buffer, change in sorted(changes, key=lambda c: c[1]):  # the values ended before the step first
+            before = holders.get(buffer, 0)
+            holders[buffer] = before + change
+            if before == 0 or holders[buffer] == 0:
+                total += buffer[1] * change
         if total > peak:
             peak, at = total, step
-    held = sorted((v for v in live if v.start <= at <= v.end), key=lambda v: -v.size)
+    newest: Dict[Tuple[int, int], LiveValue] = {}
+    for v in sorted((v for v in live if v.start <= at <= v.end), key=lambda v: v.start):
+        newest[(v.offset, v.size)] = v
+    held = sorted(newest.values(), key=lambda v: -v.size)
     return at, peak, held
 
 

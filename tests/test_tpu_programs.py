@@ -195,3 +195,27 @@ def test_vocabulary_tables_are_never_whole(compiled, topology: str) -> None:
     assert count(_FULL_LM_HEAD_PRODUCT, "vocabulary_sharded") == 0
     assert count(_WHOLE_TABLE_GATHER, "vocabulary_sharded") == 0
     assert count(_WHOLE_TABLE_GATHER, "lm_head_by_autograd") == 2  # the check finds what it looks for
+
+
+def test_temp_at_peak_counts_a_buffer_updated_in_place_once(tmp_path: Path) -> None:
+    """A value updated in place (``b`` from ``a``: torch_xla's slice assignment) ends and starts at
+    the same step and offset: one buffer there, listed as the newer value; other memory spaces
+    (color 1, VMEM) are left out."""
+    from accel_xla_fsdp.tpu_compiler import temp_at_peak
+
+    (tmp_path / "m.after_optimizations-buffer-assignment.txt").write_text(
+        "BufferAssignment:\n"
+        "allocation 5: size 3000, preallocated-temp:\n"
+        " value: <1 a @0> (size=1000,offset=0): f32[250]{0}\n"
+        " value: <2 b @0> (size=1000,offset=0): f32[250]{0}\n"
+        " value: <3 c @0> (size=500,offset=1000): f32[125]{0}\n"
+        " value: <4 d @0> (size=300,offset=1500): f32[75]{0}\n"
+        "allocation 6: size 9000, color 1, preallocated-temp:\n"
+        " value: <5 v @0> (size=9000,offset=0): f32[2250]{0}\n"
+    )
+    (tmp_path / "m.after_optimizations-live-range.txt").write_text(
+        "HloLiveRange (max 6):\n  BufferLiveRange:\n    a{}:0-3\n    b{}:3-6\n    c{}:3-4\n    d{}:5-5\n    v{}:0-6\n"
+    )
+    step, peak, held = temp_at_peak(str(tmp_path))
+    assert (step, peak) == (3, 1500)  # counting a and b apart: 2500
+    assert [(v.name, v.size) for v in held] == [("b{}", 1000), ("c{}", 500)]
