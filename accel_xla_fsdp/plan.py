@@ -9,9 +9,9 @@ chip is set against the chip's HBM.
 
 [Note: tracing a few layers]
 Tracing holds this replica's shards, gradients and AdamW moments in this machine's memory (about
-4 tensors in the parameters' dtype per parameter / chips). When the model's full depth would need more than
-``--max-trace-memory``, two models of the same width with 1 and 2 decoder layers are traced and
-compiled, and every figure (arguments, output, alias, temp, collectives, traffic, floor) is
+4 tensors in the parameters' dtype per parameter / chips). When the model's full depth would need
+more than ``--max-trace-memory``, two models of the same width with 1 and 2 decoder layers are
+traced and compiled, and every figure (arguments, output, alias, temp, collectives, traffic, floor) is
 extrapolated linearly to the model's depth: f(L) = f(1) + (L - 1) * (f(2) - f(1)). Exact for
 arguments and traffic (each layer adds the same shards and collectives). Not for temp: it is the
 live set at the schedule's worst moment, often the root's logits and gathered embedding, and the
@@ -19,8 +19,11 @@ compiler schedules a 1-layer model differently (Llama-3.2-1B, bf16, checkpointed
 3.17 GiB at 1, 2 and 16 layers). So temp is the larger of the two compiled temps, or of the line
 through them where it grows (what each layer keeps for backward); peak = argument + output -
 alias + temp. ``--check-extrapolation`` measures it against a full-depth compile (docs/plan.md):
-+0.12% for the peak of Llama-3.2-1B, but 36% low for a small program whose temps at 1 and 2 layers were
-tens of MiB (the compiler keeps such buffers on chip).
++0.12% for the peak of Llama-3.2-1B, but 36% low for a small program whose temps at 1 and 2
+layers were tens of MiB (the compiler keeps such buffers on chip), and 43% low for the temp of
+Llama-3.1-8B (bf16, checkpointed: 3.09 against 5.39 GiB), whose short models' temps did not grow
+with depth (3.06 and 3.06 GiB) where the full model's heap does. Hence the full depth wherever the
+machine holds it (the default budget, half of its memory) and the output's warning otherwise.
 
 [Note: torch_xla's SPMD FSDPv2 beside ours]
 ``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
