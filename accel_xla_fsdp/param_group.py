@@ -283,10 +283,9 @@ class ShardedParamGroup:
         for start, stop in _xla.reduce_scatter_row_chunks(self.shard.size(0), input.size(1)):
             part = columns[:, :, start:stop]
             if previous is not None:
-                part = part.clone()  # the barrier rewrites its operands: not grad_output's view
-                _xla.optimization_barrier_([part, previous])
+                (part,) = _xla.optimization_barrier_([previous], read_only=[part])
             previous = self.weight_grad_chunk(part, input)
-            reduced.append(self.reduce_scatter_mean(previous))
+            reduced.append(self.reduce_scatter(previous, 1.0 / self.sharding.world_size))
         return reduced[0] if len(reduced) == 1 else torch.cat(reduced)
 
     def columns_by_replica(self, grad_output: torch.Tensor) -> torch.Tensor:
@@ -305,12 +304,12 @@ class ShardedParamGroup:
         full = torch.einsum("str,sw->trw", columns, input).reshape(-1, input.size(1))
         return _in_dtype(full, self.options.reduce_dtype)
 
-    def reduce_scatter_mean(self, full: torch.Tensor) -> torch.Tensor:
-        """This replica's rows of ``full`` averaged over the sharding group (a reduce-scatter)."""
+    def reduce_scatter(self, full: torch.Tensor, scale: float) -> torch.Tensor:
+        """This replica's rows of ``full`` summed over the sharding group (a reduce-scatter), times
+        ``scale`` (1 / world: the mean)."""
         world = self.sharding.world_size
-        return _xla.reduce_scatter_sum(
-            full, world, 1.0 / world, self.sharding.groups, self.options.pin_layout_in_collective_ops
-        )
+        pin = self.options.pin_layout_in_collective_ops
+        return _xla.reduce_scatter_sum(full, world, scale, self.sharding.groups, pin)
 
     def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
         """Accumulate this replica's reduced shard of the gradient into ``shard.grad``; returns

@@ -150,7 +150,7 @@ def with_layers(config: Any, layers: int) -> Any:
     return config
 
 
-def parameter_count(config: Any) -> Tuple[int, str]:
+def parameter_count(config: Any) -> Tuple[int, Any]:
     """Parameters of the model ``config`` describes, counted on the meta device (no memory), and
     their dtype: the config's (transformers 5 builds a model in it, as ``from_pretrained`` loads
     it), which AdamW's state takes too."""
@@ -160,7 +160,7 @@ def parameter_count(config: Any) -> Tuple[int, str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = list(_as_loaded(model).parameters())
-    return sum(p.numel() for p in params), str(params[0].dtype).replace("torch.", "")
+    return sum(p.numel() for p in params), params[0].dtype
 
 
 def _as_loaded(model: Any) -> Any:
@@ -410,12 +410,6 @@ def trace_memory(parameters: int, chips: int, param_bytes: int = 4) -> int:
     return TRACE_OVERHEAD + TRACE_TENSORS_PER_SHARD_PARAM * param_bytes * parameters // chips
 
 
-def _element_bytes(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
-
-
 def default_trace_memory() -> float:
     """GiB a trace may take by default: half of this machine's memory, at least 6."""
     return max(6.0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 / GIB)
@@ -442,7 +436,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
             budget,
             args.check_extrapolation,
             engine,
-            _element_bytes(parameter_dtype),
+            parameter_dtype.itemsize,
         )
         for engine in engines
     }
@@ -472,7 +466,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "config_file": args.config_file,
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "lm_head_gradient_in_backward": lm_head_in_backward,
-        "parameter_dtype": parameter_dtype,
+        "parameter_dtype": str(parameter_dtype).removeprefix("torch."),
         **engine_figures(steps["ours"], depth, the_slice),
     }
     result["hints"] = hints(result)

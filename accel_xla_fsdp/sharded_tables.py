@@ -63,12 +63,6 @@ class ShardedTable:
         sharding, options = self.group.sharding, self.group.options
         return _xla.all_gather(tensor, sharding.groups, options.pin_layout_in_collective_ops)
 
-    def reduce_scatter(self, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        sharding, options = self.group.sharding, self.group.options
-        return _xla.reduce_scatter_sum(
-            tensor, self.world, scale, sharding.groups, options.pin_layout_in_collective_ops
-        )
-
     def local_ids(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every replica's ``ids`` (flat), as rows of this replica's shard (0 where not its own),
         and which of them are its own."""
@@ -125,7 +119,7 @@ class _EmbeddingFromShard(torch.autograd.Function):
             local, mine = table.local_ids(flat)
             ctx.save_for_backward(flat, local, mine)
             rows = F.embedding(local, weight).masked_fill(~mine.unsqueeze(1), 0)
-            out = table.reduce_scatter(rows, 1.0)  # one replica's row and zeros: exact
+            out = table.group.reduce_scatter(rows, 1.0)  # one replica's row and zeros: exact
         return out.view(*ids.shape, weight.size(1))
 
     @staticmethod
@@ -138,7 +132,7 @@ class _EmbeddingFromShard(torch.autograd.Function):
         part_rows, world = table.group.shard.size(0), table.world
         if ctx.whole:
             dense = rows.new_zeros(world * part_rows, rows.size(1)).index_put((flat,), rows, accumulate=True)
-            return None, table.reduce_scatter(dense, 1.0 / world), None, None
+            return None, table.group.reduce_scatter(dense, 1.0 / world), None, None
         _, local, mine = ctx.saved_tensors
         every = table.all_gather(rows).masked_fill(~mine.unsqueeze(1), 0)
         grad_shard = every.new_zeros(part_rows, rows.size(1)).index_put((local,), every, accumulate=True)
@@ -203,7 +197,7 @@ class _LinearFromShard(torch.autograd.Function):
                 grad_input = partial if grad_input is None else grad_input + partial
                 previous.append(grad_input)
             if ctx.needs_input_grad[1]:
-                reduced.append(table.group.reduce_scatter_mean(table.group.weight_grad_chunk(g, x)))
+                reduced.append(table.group.reduce_scatter(table.group.weight_grad_chunk(g, x), 1.0 / table.world))
                 previous.append(reduced[-1])
         grad_shard = None
         if reduced:
