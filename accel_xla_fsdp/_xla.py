@@ -27,7 +27,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch_xla
@@ -304,6 +304,23 @@ def replace_data(tensors: Sequence[torch.Tensor], new_data: Sequence[torch.Tenso
     """
     for tensor, data in zip(tensors, new_data):
         tensor.data = data
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype, sharding: Optional[Any] = None) -> torch.Tensor:
+    """A device tensor of ``shape`` and ``dtype`` that holds no buffer, for a program that is
+    traced and exported, never run: it becomes a parameter of the traced HLO like any device data,
+    and reading its value aborts the process (torch_xla's ``create_placeholder_tensor``).
+
+    ``sharding`` (an ``OpSharding``, SPMD only): annotated as a ``Sharding`` custom call on the
+    placeholder (``mark_sharding`` refuses a tensor without data, as it moves data to the shards);
+    ``tpu_program`` gives the HLO parameter that sharding, as a sharded buffer would have.
+    """
+    import torch_xla.core.xla_builder as xb
+
+    tensor = xb.create_placeholder_tensor(tuple(shape), dtype)
+    if sharding is not None:
+        torch_xla._XLAC._xla_annotate_custom_sharding(tensor, sharding)
+    return tensor
 
 
 def optimization_barrier_(

@@ -75,6 +75,18 @@ class ShardSource(Protocol):
         """Elements ``[start, stop)`` of ``param`` (as built, possibly on meta) flattened."""
 
 
+class PlaceholderShards:
+    """A ``ShardSource`` for a step that is traced and exported, never run (``accel-xla-fsdp
+    plan``): every shard is a placeholder that holds no buffer (``_xla.placeholder``), so no part
+    of the model is ever in memory, whatever its size."""
+
+    def remember_names(self, model: nn.Module) -> None:
+        pass
+
+    def read(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        raise RuntimeError("PlaceholderShards has no values: its shards are placeholders, made whole")
+
+
 def materialize_meta(module: nn.Module, param_init_fn: Optional[ParamInitFn]) -> None:
     """Give real tensors to this unit's parameters and buffers that are on the meta device.
 
@@ -298,7 +310,10 @@ def build_groups(
     for group in groups:
         for slot in group.slots:
             slot.aliases = aliases[id(slot.param)]
-    if source is not None:
+    if isinstance(source, PlaceholderShards):
+        for group in groups:
+            group.shard.data = _xla.placeholder(group.shard.shape, group.shard.dtype)
+    elif source is not None:
         orig_of = {id(full): orig for full, orig, _ in named}
         for group in groups:
             with host_memory.STAGING:

@@ -7,30 +7,31 @@ step (forward, backward, AdamW with its state) is traced as replica 0 of the sli
 by the real TPU compiler (``tpu_compiler.py`` in ``.tpu-venv``). The compiler's memory plan per
 chip is set against the chip's HBM.
 
-[Note: tracing a few layers]
-Tracing holds this replica's shards, gradients and AdamW moments in this machine's memory (about
-4 tensors in the parameters' dtype per parameter / chips). When the model's full depth would need
-more than ``--max-trace-memory``, two models of the same width with 1 and 2 decoder layers are
-traced and compiled, and every figure (arguments, output, alias, temp, collectives, traffic, floor) is
-extrapolated linearly to the model's depth: f(L) = f(1) + (L - 1) * (f(2) - f(1)). Exact for
-arguments and traffic (each layer adds the same shards and collectives). Not for temp: it is the
-live set at the schedule's worst moment, often the root's logits and gathered embedding, and the
-compiler schedules a 1-layer model differently (Llama-3.2-1B, bf16, checkpointed: 3.17, 2.25 and
-3.17 GiB at 1, 2 and 16 layers). So temp is the larger of the two compiled temps, or of the line
-through them where it grows (what each layer keeps for backward); peak = argument + output -
-alias + temp. ``--check-extrapolation`` measures it against a full-depth compile (docs/plan.md):
-+0.12% for the peak of Llama-3.2-1B, but 36% low for a small program whose temps at 1 and 2
-layers were tens of MiB (the compiler keeps such buffers on chip), and 43% low for the temp of
-Llama-3.1-8B (bf16, checkpointed: 3.09 against 5.39 GiB), whose short models' temps did not grow
-with depth (3.06 and 3.06 GiB) where the full model's heap does. Hence the full depth wherever the
-machine holds it (the default budget, half of its memory) and the output's warning otherwise.
+[Note: full depth, no buffers]
+A trace reads shapes only: the parameter shards (``construction.PlaceholderShards``), SPMD's
+parameters, AdamW's state and the batch are placeholders that hold no buffer
+(``_xla.placeholder``), so any model is traced and compiled at its full depth, and nothing is
+extrapolated. Until this was so, a trace held replica 0's shards, gradients and AdamW state here,
+and deeper models were traced with 1 and 2 decoder layers and extrapolated linearly: exact for
+arguments and traffic, but 43% low for the temp of Llama-3.1-8B (3.09 against 5.39 GiB: a short
+model's temp does not grow as the full model's heap does; docs/plan.md).
+
+[Note: arguments beyond HBM]
+A step whose arguments alone (parameter shards, AdamW state, batch: the exported program's
+parameters, ``tpu_program.argument_bytes``) exceed the chip's HBM does not fit, whatever its
+temp, and is not compiled: compiling a large model at full depth takes more memory than its size
+suggests (Llama-3.1-70B on 8 chips: over 23 GiB here, killed), and would add nothing to that
+verdict. SPMD FSDPv2 holds the same parameters and state per chip, so ``--compare`` is not
+traced either.
 
 [Note: torch_xla's SPMD FSDPv2 beside ours]
 ``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
 (``tpu_program.export_spmd_training_step``): the whole SPMD program, traced over one XLA:CPU
-device per chip, partitioned by the TPU compiler. This machine then holds every chip's shards, not
-one replica's (4 tensors per parameter), so SPMD is extrapolated from 1 and 2 layers far sooner.
-Its traffic is set against the same FSDP floor as ours (the same parameters gathered and reduced).
+device per chip, partitioned by the TPU compiler. Its traffic is set against the same FSDP floor
+as ours (the same parameters gathered and reduced). Its bf16 is ``torch.autocast``, which leaves
+sdpa out: the query and key come out of the rotary embedding in f32, the value in bf16, and sdpa
+refuses the mix. So with bf16 both engines are traced with eager attention (which autocasts its
+matmuls, and materializes the attention's probabilities), and the output says so.
 
 Each trace is a process of its own (``python -m accel_xla_fsdp.plan SPEC.json``): the XLA:CPU
 runtime with one device, a fresh model; each compile too, in the compiler's venv.
@@ -39,27 +40,22 @@ runtime with one device, a fresh model; each compile too, in the compiler's venv
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import tpu_compiler  # its topology and HBM tables (importing it imports no JAX)
 
 PACKAGE = Path(__file__).resolve().parent
 TPU_PYTHON_ENV = "ACCEL_XLA_FSDP_TPU_PYTHON"
 GIB = 1 << 30
-# Tensors of host memory a trace holds per parameter of this replica's shards, each in the
-# parameters' dtype: the shard, its gradient (while AdamW's state is created) and AdamW's two
-# moments. (Llama-3.1-8B in bf16 on 8 chips, full depth: 10.2 GB by this, 8.8 GB measured.)
-TRACE_TENSORS_PER_SHARD_PARAM = 4
-TRACE_OVERHEAD = 2 * GIB  # torch, transformers, the runtime, the traced graph
 FIGURES = ("argument", "output", "alias", "temp", "peak", "ring_bytes", "floor")
 ENGINES = {"ours": "ours", "spmd": "torch_xla SPMD FSDPv2"}
 
@@ -73,8 +69,7 @@ mixed_precision and fsdp_activation_checkpointing; options below override them),
 --seq, --batch sequences per chip. Needs the TPU compiler: `bash scripts/ensure_tpu_venv.sh` in
 the accel-xla-fsdp checkout, or ACCEL_XLA_FSDP_TPU_PYTHON naming a Python with jax[tpu]==0.10.2.
 
-A model too large to trace here at full depth (--max-trace-memory) is traced with 1 and 2 decoder
-layers at full width and extrapolated to its depth (said in the output; docs/plan.md).
+Any model is traced and compiled at its full depth: the trace holds no tensors (docs/plan.md).
 --compare spmd: torch_xla's SPMD FSDPv2 on the same step, its figures beside ours."""
 
 
@@ -140,12 +135,9 @@ def load_config(model: str) -> Any:
     return config
 
 
-def with_layers(config: Any, layers: int) -> Any:
-    """A copy of ``config`` with ``layers`` decoder layers (and per-layer lists cut to them)."""
+def for_training(config: Any) -> Any:
+    """A copy of ``config`` for a training step: no KV cache."""
     config = config.__class__.from_dict(config.to_dict())
-    config.num_hidden_layers = layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:layers]
     config.use_cache = False
     return config
 
@@ -175,22 +167,10 @@ def _as_loaded(model: Any) -> Any:
 # The trace (a process of its own)
 
 
-class ZeroShards:
-    """A ``ShardSource`` that fills each replica's shards with zeros: a trace reads shapes, so the
-    model, built on the meta device, is never whole in memory."""
-
-    def remember_names(self, model: Any) -> None:
-        pass
-
-    def read(self, param: Any, start: int, stop: int) -> Any:
-        import torch
-
-        return torch.zeros(stop - start, dtype=param.dtype)
-
-
-def trace(spec: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
-    """Trace and export the step ``spec`` describes (``_trace_spec``) at each of its depths, one
-    after the other in this process; returns each one's FSDP communication floor."""
+def trace(spec: Dict[str, Any]) -> Dict[str, float]:
+    """Trace and export the step ``spec`` describes (``_trace_spec``); returns its FSDP
+    communication floor (SPMD: 0, set to ours' by ``plan``: the same parameters) and, for ours,
+    the bytes of its arguments per chip."""
     from transformers import AutoConfig
 
     from . import _xla
@@ -198,19 +178,17 @@ def trace(spec: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
 
     if spec["config_file"]:
         os.environ[CONFIG_FILE_ENV] = spec["config_file"]
-    config = AutoConfig.from_pretrained(spec["model"])
-    floors: Dict[int, Dict[str, Any]] = {}
+    config = for_training(AutoConfig.from_pretrained(spec["model"]))
+    if spec["attention"]:
+        config._attn_implementation = spec["attention"]
     if spec["engine"] == "spmd":
-        for layers in spec["layers"]:
-            gc.collect()
-            _trace_spmd(spec, with_layers(config, layers), program_path(spec, layers))
-            floors[layers] = {"floor": 0.0}  # set to ours' by plan(): the same parameters
-        return floors
+        _trace_spmd(spec, config, program_path(spec))
+        return {"floor": 0.0}
     with _xla.tracing_replica(0, spec["chips"], "TPU"):
-        for layers in spec["layers"]:
-            gc.collect()  # the previous depth's step, pending collectives and all
-            floors[layers] = {"floor": _trace_one(spec, with_layers(config, layers), program_path(spec, layers))}
-    return floors
+        floor = _trace_one(spec, config, program_path(spec))
+    from . import tpu_program
+
+    return {"floor": floor, "argument": tpu_program.argument_bytes(program_path(spec))}
 
 
 def _model_on_meta(config: Any) -> Any:
@@ -228,40 +206,26 @@ def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
     import torch
 
     from . import _xla, tpu_program
+    from .construction import PlaceholderShards
     from .hf_accelerate.plugin import XlaFsdpPlugin
 
     compute_dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
     model = _model_on_meta(config)
     wrapped = XlaFsdpPlugin().wrap(
-        model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=ZeroShards()
+        model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=PlaceholderShards()
     )
-    ids = torch.zeros(spec["batch"], spec["seq"], dtype=torch.long, device=_xla.device())
+    ids = _xla.placeholder((spec["batch"], spec["seq"]), torch.long)
     tpu_program.export_training_step(wrapped, ids, out)
     return tpu_program.communication_floor(wrapped)
 
 
 def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:
-    """torch_xla's SPMD FSDPv2 on the step: the model's parameters made on the host, uninitialized
-    (a trace reads shapes; tied ones stay one tensor), then sharded by the SPMD wrapper."""
-    import torch
-
+    """torch_xla's SPMD FSDPv2 on the step, the model built on the meta device (its parameters
+    become sharded placeholders: ``tpu_program.export_spmd_training_step``)."""
     from . import tpu_program
 
-    if spec["precision"] == "bf16":
-        # SPMD's bf16 is torch.autocast, which leaves sdpa out: its query and key come out of the
-        # rotary embedding in f32, its value in bf16, and sdpa refuses the mix. Eager attention
-        # (what scripts/tpu_benchmark.py traces for every engine) autocasts its matmuls.
-        config._attn_implementation = "eager"
-    model = _model_on_meta(config)
-    made: Dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                if id(p) not in made:
-                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-                module._parameters[name] = made[id(p)]
     tpu_program.export_spmd_training_step(
-        model,
+        _model_on_meta(config),
         spec["chips"],
         spec["batch"],
         spec["seq"],
@@ -271,12 +235,12 @@ def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:
     )
 
 
-def program_path(spec: Dict[str, Any], layers: int) -> Path:
-    return Path(spec["workdir"]) / f"step.{spec['engine']}.{layers}-layers.hlo"
+def program_path(spec: Dict[str, Any]) -> Path:
+    return Path(spec["workdir"]) / f"step.{spec['engine']}.hlo"
 
 
 # ---------------------------------------------------------------------------------------------
-# The plan: traces and compiles as processes, extrapolation, the verdict
+# The plan: a trace and a compile, each a process, and the verdict
 
 
 @dataclass
@@ -284,7 +248,6 @@ class Step:
     """One compiled step's figures per chip (bytes), as ``tpu_compiler`` reports them, with the
     FSDP floor of its traffic."""
 
-    layers: int
     argument: float
     output: float
     alias: float
@@ -293,28 +256,19 @@ class Step:
     ring_bytes: float
     floor: float
     collectives: Dict[str, float] = field(default_factory=dict)  # kind -> count
+    compiled: bool = True
 
     @classmethod
-    def of(cls, layers: int, report: Dict[str, Any], floor: float) -> Step:
+    def uncompiled(cls, argument: float, floor: float) -> Step:
+        """A step whose arguments alone exceed the chip's HBM, not compiled: its peak is at least
+        them ([Note: arguments beyond HBM])."""
+        return cls(argument, argument, argument, 0.0, argument, 0.0, floor, compiled=False)
+
+    @classmethod
+    def of(cls, report: Dict[str, Any], floor: float) -> Step:
         counts = {kind: float(c["count"]) for kind, c in report["collectives"].items()}
-        figures = {k: float(report[k]) for k in FIGURES[:-1]}
-        return cls(layers=layers, floor=floor, collectives=counts, **figures)
-
-    def extrapolated(self, deeper: Step, layers: int) -> Step:
-        """This step's figures continued linearly through ``deeper``'s to ``layers`` layers."""
-        scale = (layers - self.layers) / (deeper.layers - self.layers)
-
-        def line(a: float, b: float) -> float:
-            return a + scale * (b - a)
-
-        figures = {k: line(getattr(self, k), getattr(deeper, k)) for k in FIGURES}
-        # [Note: tracing a few layers]: temp is the live set at the schedule's worst moment, not a
-        # sum; it grows with depth only by what each layer keeps for backward.
-        figures["temp"] = max(self.temp, deeper.temp, figures["temp"])
-        figures["peak"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
-        kinds = set(self.collectives) | set(deeper.collectives)
-        counts = {k: line(self.collectives.get(k, 0.0), deeper.collectives.get(k, 0.0)) for k in sorted(kinds)}
-        return Step(layers=layers, collectives=counts, **figures)
+        figures: Dict[str, Any] = {k: float(report[k]) for k in FIGURES[:-1]}
+        return cls(floor=floor, collectives=counts, **figures)
 
 
 @dataclass(frozen=True)
@@ -326,93 +280,64 @@ class Request:
     precision: str
     checkpointing: bool
     config_file: Optional[str]
+    attention: Optional[str]  # the attention implementation, when not the config's
 
 
-def _trace_spec(request: Request, engine: str, depths: Sequence[int], workdir: Path) -> Dict[str, Any]:
+def _trace_spec(request: Request, engine: str, workdir: Path) -> Dict[str, Any]:
     return {
         "engine": engine,
         "model": request.model,
-        "layers": list(depths),
         "chips": request.slice.chips,
         "seq": request.seq,
         "batch": request.batch,
         "precision": request.precision,
         "checkpointing": request.checkpointing,
         "config_file": request.config_file,
+        "attention": request.attention,
         "workdir": str(workdir),
     }
 
 
-def run_traces(request: Request, engine: str, depths: Sequence[int], workdir: Path) -> Dict[int, Tuple[Path, float]]:
-    """Each depth's exported program and floor, traced in one process of its own."""
-    spec = _trace_spec(request, engine, depths, workdir)
+def run_trace(request: Request, engine: str, workdir: Path) -> Tuple[Path, Dict[str, float]]:
+    """The exported program, with its floor (and ours, its arguments' bytes), traced in a process
+    of its own."""
+    spec = _trace_spec(request, engine, workdir)
     spec_path = workdir / f"trace.{engine}.json"
     spec_path.write_text(json.dumps(spec))
     # ours: one XLA:CPU device (tracing_replica refuses several); SPMD: one per chip
     env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
     env["PJRT_DEVICE"] = "CPU"
-    what = " and ".join(map(str, depths))
     chips = request.slice.chips
     if engine == "spmd":
         from . import _xla  # imports torch_xla: only when SPMD is asked for
 
         env.update(_xla.cpu_device_env(chips))
-        print(f"plan: tracing {what} decoder layers of {ENGINES[engine]} over {chips}", file=sys.stderr, flush=True)
+        print(f"plan: tracing {ENGINES[engine]} over {chips}", file=sys.stderr, flush=True)
     else:
-        print(f"plan: tracing {what} decoder layers as replica 0 of {chips}", file=sys.stderr, flush=True)
+        print(f"plan: tracing the step as replica 0 of {chips}", file=sys.stderr, flush=True)
     done = subprocess.run(
         [sys.executable, "-m", "accel_xla_fsdp.plan", str(spec_path)], env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise PlanError(f"tracing the step failed:\n{done.stderr[-4000:]}")
-    floors = json.loads(spec_path.with_suffix(".out.json").read_text())
-    return {layers: (program_path(spec, layers), floors[str(layers)]["floor"]) for layers in depths}
+    return program_path(spec), json.loads(spec_path.with_suffix(".out.json").read_text())
 
 
-def run_compile(python: Path, programs: Sequence[Path], request: Request, spmd: bool) -> List[Dict[str, Any]]:
-    """``spmd``: the programs are SPMD traces, which the compiler partitions over the chips."""
-    print(f"plan: compiling {len(programs)} program(s) for {request.slice.name}", file=sys.stderr, flush=True)
-    cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), *map(str, programs), "--topology", request.slice.name]
+def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
+    """``spmd``: the program is an SPMD trace, which the compiler partitions over the chips."""
+    print(f"plan: compiling the step for {request.slice.name}", file=sys.stderr, flush=True)
+    cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), str(program), "--topology", request.slice.name]
     cmd += ["--spmd"] if spmd else []
     done = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
+    if done.returncode == -signal.SIGKILL:
+        raise PlanError(
+            "the TPU compiler was killed, most likely out of this machine's memory: compiling a large model "
+            "takes more than the model's size suggests (Llama-3.1-70B's step on 8 chips: over 23 GiB here); "
+            "run plan on a machine with more memory"
+        )
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
-def trace_depths(
-    full: int,
-    per_layer: int,
-    rest: int,
-    chips: int,
-    budget: int,
-    check: bool,
-    engine: str = "ours",
-    param_bytes: int = 4,
-) -> List[int]:
-    """The depths to trace: the model's own when it fits ``budget`` bytes here, else 1 and 2;
-    ``check``: 1, 2 and the model's own (its trace then may take more than ``budget``).
-    ``chips``: those the trace holds shards of here (SPMD: all of them, so count 1);
-    ``param_bytes``: the size of a parameter's element."""
-    if full <= 2 or (not check and trace_memory(rest + full * per_layer, chips, param_bytes) <= budget):
-        return [full]
-    if trace_memory(rest + 2 * per_layer, chips, param_bytes) > budget:
-        need = trace_memory(rest + 2 * per_layer, chips, param_bytes) / GIB
-        what = f"on {chips} chips" if engine == "ours" else f"of {ENGINES[engine]} (every chip's shards)"
-        raise PlanError(
-            f"even 2 decoder layers at full width need about {need:.1f} GiB here to trace {what} "
-            f"(--max-trace-memory is {budget / GIB:.1f} GiB): raise --max-trace-memory if this machine has it"
-        )
-    return [1, 2, full] if check else [1, 2]
-
-
-def trace_memory(parameters: int, chips: int, param_bytes: int = 4) -> int:
-    return TRACE_OVERHEAD + TRACE_TENSORS_PER_SHARD_PARAM * param_bytes * parameters // chips
-
-
-def default_trace_memory() -> float:
-    """GiB a trace may take by default: half of this machine's memory, at least 6."""
-    return max(6.0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 / GIB)
+    return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
 
 
 def plan(args: argparse.Namespace) -> Dict[str, Any]:
@@ -421,41 +346,27 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     config = load_config(args.model)
     precision, checkpointing, lm_head_in_backward = _launch_settings(args)
     model = str(Path(args.model).resolve())
-    request = Request(model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file)
-    depth = config.num_hidden_layers
-    (one, parameter_dtype), (two, _) = parameter_count(with_layers(config, 1)), parameter_count(with_layers(config, 2))
-    per_layer, rest = two - one, one - (two - one)
-    budget = int((args.max_trace_memory or default_trace_memory()) * GIB)
+    # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same attention for both
+    attention = "eager" if args.compare == "spmd" and precision == "bf16" else None
+    request = Request(model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention)
+    parameters, parameter_dtype = parameter_count(config)
     engines = ["ours", *([args.compare] if args.compare else [])]
-    depths = {
-        engine: trace_depths(
-            depth,
-            per_layer,
-            rest,
-            the_slice.chips if engine == "ours" else 1,
-            budget,
-            args.check_extrapolation,
-            engine,
-            parameter_dtype.itemsize,
-        )
-        for engine in engines
-    }
-    steps: Dict[str, Dict[int, Step]] = {}
+    steps: Dict[str, Step] = {}
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
-        traced = {engine: run_traces(request, engine, depths[engine], Path(tmp)) for engine in engines}
         for engine in engines:
-            programs = [traced[engine][layers][0] for layers in depths[engine]]
-            reports = run_compile(python, programs, request, spmd=engine == "spmd")
-            steps[engine] = {
-                layers: Step.of(layers, r, traced[engine][layers][1]) for layers, r in zip(depths[engine], reports)
-            }
-        if args.hlo_out:
-            shutil.copyfile(traced["ours"][max(depths["ours"])][0], args.hlo_out)
+            program, traced = run_trace(request, engine, Path(tmp))
+            if args.hlo_out and engine == "ours":
+                shutil.copyfile(program, args.hlo_out)
+            if engine == "ours" and traced["argument"] > the_slice.hbm:
+                # [Note: arguments beyond HBM]
+                steps["ours"] = Step.uncompiled(traced["argument"], traced["floor"])
+                break
+            steps[engine] = Step.of(run_compile(python, program, request, spmd=engine == "spmd"), traced["floor"])
     result: Dict[str, Any] = {
         "model": args.model,
         "model_type": config.model_type,
-        "parameters": rest + depth * per_layer,
-        "layers": depth,
+        "parameters": parameters,
+        "layers": config.num_hidden_layers,
         "topology": the_slice.name,
         "chips": the_slice.chips,
         "hbm": the_slice.hbm,
@@ -467,39 +378,25 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "lm_head_gradient_in_backward": lm_head_in_backward,
         "parameter_dtype": str(parameter_dtype).removeprefix("torch."),
-        **engine_figures(steps["ours"], depth, the_slice),
+        "attention": attention or "the config's",
+        "compare": args.compare,
+        **engine_figures(steps["ours"], the_slice),
     }
     result["hints"] = hints(result)
-    if args.compare:
+    if args.compare in steps:
         # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same floor
-        result[args.compare] = engine_figures(steps[args.compare], depth, the_slice, floor=result["floor"])
+        result[args.compare] = engine_figures(steps[args.compare], the_slice, floor=result["floor"])
     if args.hlo_out:
-        result["hlo_out"] = {"path": args.hlo_out, "layers": max(depths["ours"])}
+        result["hlo_out"] = args.hlo_out
     return result
 
 
-def engine_figures(
-    steps: Dict[int, Step], depth: int, the_slice: Slice, floor: Optional[float] = None
-) -> Dict[str, Any]:
-    """One engine's figures at the model's depth (compiled, or extrapolated from 1 and 2 layers),
-    with the verdict; ``floor``: the traffic's floor, when not the one its steps carry."""
-    extrapolated = depth not in steps
-    step = steps[1].extrapolated(steps[2], depth) if extrapolated else steps[depth]
+def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) -> Dict[str, Any]:
+    """One engine's figures with the verdict; ``floor``: the traffic's floor, when not the one its
+    step carries."""
     if floor is not None:
         step = replace(step, floor=floor)
-    figures: Dict[str, Any] = {
-        "traced_layers": sorted(steps),
-        "extrapolated": extrapolated,
-        **asdict(step),
-        "fits": step.peak <= the_slice.hbm,
-        "margin": the_slice.hbm - step.peak,
-        "traced": [asdict(s) for s in steps.values()],
-    }
-    if len(steps) == 3:  # --check-extrapolation: the full compile's figures, and the extrapolation's
-        line = steps[1].extrapolated(steps[2], depth)
-        kinds = FIGURES if floor is None else FIGURES[:-1]
-        figures["check"] = {k: {"extrapolated": getattr(line, k), "compiled": getattr(step, k)} for k in kinds}
-    return figures
+    return {**asdict(step), "fits": step.peak <= the_slice.hbm, "margin": the_slice.hbm - step.peak}
 
 
 LM_HEAD_KEY = "xla_fsdp_reduce_scatter_in_linear_backward"
@@ -580,16 +477,19 @@ def format_plan(r: Dict[str, Any]) -> str:
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
     ]
-    for label, e in columns:
-        if e["extrapolated"]:
-            method = (
-                f"traced with 1 and 2 decoder layers at full width, extrapolated to {r['layers']} "
-                "(the full depth does not fit this machine's --max-trace-memory); the temp may be "
-                "low: Llama-3.1-8B's full-depth compile planned 1.74x its extrapolated temp (docs/plan.md)"
-            )
-        else:
-            method = f"traced and compiled at full depth ({r['layers']} decoder layers)"
-        lines.append(method if len(columns) == 1 else f"{label}: {method}")
+    lines.append(f"traced{' and compiled' if r['compiled'] else ''} at full depth ({depth})")
+    if r["attention"] == "eager" and r["compiled"]:
+        lines[-1] += ", both with eager attention: SPMD's bf16 autocast needs it (sdpa refuses its mixed dtypes)"
+    if not r["compiled"]:
+        lines += [
+            "",
+            f"not compiled: its arguments alone (parameter shards, AdamW state, batch) take {gib(r['argument'])} "
+            f"per chip, more than the chip's {gib(r['hbm'])} of HBM (docs/plan.md)"
+            + (f"; {ENGINES[r['compare']]} holds as much per chip: not traced" if r["compare"] else ""),
+            f"verdict: does NOT fit, at least {gib(-r['margin'])} over; to lower the peak:",
+            *[f"  - {h}" for h in r["hints"]],
+        ]
+        return "\n".join(lines)
     rows = [
         ("arguments (parameter shards, AdamW state, batch)", lambda e: e["argument"]),
         ("output not donated", lambda e: e["output"] - e["alias"]),
@@ -611,13 +511,6 @@ def format_plan(r: Dict[str, Any]) -> str:
             + f"traffic per step, ring model: {gib(e['ring_bytes'])} sent per chip, "
             f"{e['ring_bytes'] / e['floor']:.2f}x the FSDP floor ({gib(e['floor'])}); {counts}"
         )
-        if "check" in e:
-            errors = ", ".join(
-                f"{k} {(c['extrapolated'] - c['compiled']) / c['compiled']:+.2%}"
-                for k, c in e["check"].items()
-                if c["compiled"]
-            )
-            lines.append(f"extrapolation from 1 and 2 layers against this full-depth compile: {errors}")
     lines.append("")
     for label, e in columns:
         if e["fits"]:
@@ -632,7 +525,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         "not shown, docs/plan.md)"
     )
     if "hlo_out" in r:
-        lines.append(f"the exported program ({r['hlo_out']['layers']} decoder layers): {r['hlo_out']['path']}")
+        lines.append(f"the exported program: {r['hlo_out']}")
     return "\n".join(lines)
 
 
@@ -661,26 +554,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hlo-out",
         metavar="FILE",
-        help="write the exported program compiled (the full depth unless the plan extrapolated, "
-        "then the 2-layer program)",
-    )
-    parser.add_argument(
-        "--max-trace-memory",
-        type=float,
-        metavar="GIB",
-        help="host memory a trace may take here; a deeper model is traced with 1 and 2 layers and "
-        "extrapolated, its temp possibly low (default: half of this machine's memory, at least 6)",
+        help="write the exported program compiled (ours)",
     )
     parser.add_argument(
         "--compare",
         choices=["spmd"],
         help="spmd: also compile torch_xla's SPMD FSDPv2 (SpmdFullyShardedDataParallel) on the same step, "
         "its figures beside ours",
-    )
-    parser.add_argument(
-        "--check-extrapolation",
-        action="store_true",
-        help="trace 1, 2 and all layers: print the full compile with the extrapolation's error",
     )
 
 

@@ -16,6 +16,11 @@ tensors and the program a real TPU sync compiles, and the export puts them right
   sharding; the printed HLO carries the parameters' but not the outputs', so the partitioner would
   make every output whole (and a donated sharded input could not alias it). The export annotates
   the root with each output's sharding (``_get_xla_sharding_spec``; none is replicated).
+* **Placeholders** (``_xla.placeholder``). A trace reads shapes, so the parameters (shards, or
+  SPMD's full parameters) and the optimizer state are placeholders that hold no buffer: a model
+  of any size traces here. torch_xla cannot shard a placeholder's data (there is none), so an SPMD
+  one carries its sharding as a ``Sharding`` custom call, and the export gives the parameter that
+  sharding, as torch_xla prints a sharded buffer's.
 * **f64.** Python scalars (learning rates, bias corrections) are traced as f64 on an XLA:CPU
   device and as f32 on a TPU (torch_xla's ``MaybeDowncastToXlaDeviceType``: TPUs have no f64).
 """
@@ -23,6 +28,7 @@ tensors and the program a real TPU sync compiles, and the export puts them right
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,19 +58,23 @@ def xla_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     ]
 
 
-def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its optimizer state (AdamW's moments, ...), as after a first step.
-
-    A steady-state step reads and donates that state; the very first step creates it. Runs one
-    ``optimizer.step()`` on zero gradients and syncs: a program without collectives, which runs
-    here under ``tracing_replica`` (parameters may change: a trace reads shapes, not values).
+def placeholder_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter of ``optimizer`` (Adam or AdamW) its state as after a first
+    step, in placeholders (``_xla.placeholder``): a steady step reads and donates that state, and a
+    trace reads its shapes only, so nothing is allocated or run. An SPMD parameter's state takes
+    its sharding (as the state a real first step makes of it).
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    torch_xla.sync()
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f"a traced step's optimizer state is made for Adam and AdamW, not {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        if group["capturable"] or group["fused"]:
+            raise ValueError("a traced step's optimizer state keeps AdamW's step on the CPU: no capturable or fused")
+        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        for p in group["params"]:
+            if p.requires_grad:
+                sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+                state = {m: _xla.placeholder(p.shape, p.dtype, sharding) for m in moments}
+                optimizer.state[p] = {"step": torch.tensor(1.0), **state}
 
 
 class Donations:
@@ -94,8 +104,11 @@ def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations],
     would compile it: each output that is a donated tensor aliases its input, f64 is f32.
 
     ``outputs``: what the sync would materialize (the loss, the parameters, the optimizer state;
-    not gradients set to None). Nothing runs. Drop every tensor of the step afterwards (the model
-    and optimizer too): their pending graph holds collectives that cannot run here.
+    not gradients set to None). Nothing runs. The outputs then become placeholders of their shapes:
+    their pending graph holds collectives that cannot run here, and may read placeholders, and a
+    wrapped model outlives ``gc.collect()`` (its hooks on autograd's nodes close a cycle through
+    C++ that Python's collector cannot see), so a later sync would run it. Drop the step's tensors
+    all the same.
     """
     outputs = list(outputs)
     text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
@@ -103,9 +116,10 @@ def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations],
     _check_parameter_order(text, param_data)
     aliases = _aliases(outputs, param_ids, donations) if donations is not None else {}
     text = _with_aliases(text, aliases).replace("f64[", "f32[")
-    text = _with_output_shardings(text, outputs)
+    text = _with_output_shardings(_with_parameter_shardings(text), outputs)
     path = Path(path)
     path.write_text(text)
+    _xla.replace_data(outputs, [_xla.placeholder(t.shape, t.dtype) for t in outputs])
     _xla.traced_graph_exported()
     return ExportedProgram(path, len(param_ids), len(outputs), len(aliases))
 
@@ -114,11 +128,11 @@ def export_training_step(
     model: torch.nn.Module, input_ids: torch.Tensor, path: Path, autocast: bool = False
 ) -> ExportedProgram:
     """Trace one steady training step of a causal LM on ``input_ids`` (their own labels):
-    forward, backward, AdamW with its state present, and export it (``export_step``). Nothing
-    runs but the creation of AdamW's state. ``autocast``: under ``torch.autocast`` in bf16 (for a
+    forward, backward, AdamW with its state present (placeholders), and export it
+    (``export_step``). Nothing runs. ``autocast``: under ``torch.autocast`` in bf16 (for a
     model that has no compute dtype of its own, as SPMD's)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    create_optimizer_state(optimizer)
+    placeholder_optimizer_state(optimizer)
     donations = Donations.of_step(model, optimizer)
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
         loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -158,12 +172,8 @@ def export_spmd_training_step(
     if xr.global_runtime_device_count() != chips:
         raise RuntimeError(f"{chips} XLA:CPU devices needed, one per chip (_xla.cpu_device_env({chips}))")
     mesh = xs.Mesh(np.arange(chips), (chips, 1), ("fsdp", "model"))
-    # In SPMD mode a tensor moved to the device waits on the host (the virtual device) until it
-    # is sharded. Moved before wrapping so that tied weights are tied again on the device: the
-    # wrapper's own ``module.to("xla")`` would untie them (each module gets its own copy).
-    model = model.to(torch_xla.device())
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()  # type: ignore[operator]  # a PreTrainedModel
+    _shard_as_placeholders(model, mesh)
+    model = model.to(torch_xla.device())  # its buffers
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = {type(m) for m in model.modules() if type(m).__name__ in names}
 
@@ -181,9 +191,52 @@ def export_spmd_training_step(
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
         auto_wrapper_callable=wrap_block,
     )
-    ids = torch.zeros(chips * batch_per_chip, seq, dtype=torch.long, device=torch_xla.device())
-    xs.mark_sharding(ids, mesh, ("fsdp", None))
+    ids = _xla.placeholder((chips * batch_per_chip, seq), torch.long, mesh.get_op_sharding(("fsdp", None)))
     return export_training_step(wrapped, ids, path, autocast=autocast)
+
+
+def _shard_as_placeholders(model: torch.nn.Module, mesh: Any) -> None:
+    """Replace ``model``'s parameters (tied ones stay one) by placeholders sharded on ``mesh`` as
+    ``SpmdFullyShardedDataParallel`` shards a parameter (its largest dimension along "fsdp"),
+    which then leaves them as they are: no chip's shard is ever in memory here."""
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    made: Dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in made:
+                sharding = mesh.get_op_sharding(_prepare_spmd_partition_spec(p, shard_maximal=True))
+                made[id(p)] = torch.nn.Parameter(_xla.placeholder(p.shape, p.dtype, sharding), p.requires_grad)
+            module._parameters[name] = made[id(p)]
+
+
+_ELEMENT_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "f64": 8,
+}
+
+
+def argument_bytes(path: Path) -> int:
+    """The bytes of an exported replica program's parameters: what a chip holds as its arguments
+    (the compiler's figure for ours, whose shards are whole tiles; issue 25's Llama: 175.6 MB both)."""
+    text = Path(path).read_text()
+    entry = _ENTRY.search(text)
+    assert entry is not None, "an HLO module has an ENTRY computation"
+    total = 0
+    for m in _PARAM_SHAPE.finditer(entry["params"]):
+        total += _ELEMENT_BYTES[m["dtype"]] * math.prod(int(d) for d in m["dims"].split(",") if d)
+    return total
 
 
 def _aliases(outputs: List[torch.Tensor], param_ids: Sequence[int], donations: Donations) -> Dict[int, int]:
@@ -216,6 +269,24 @@ def _with_aliases(text: str, aliases: Dict[int, int]) -> str:
         return text
     entries = ", ".join(f"{{{out}}}: ({param}, {{}}, may-alias)" for out, param in sorted(aliases.items()))
     return _MODULE_LINE.sub(lambda m: f"HloModule {m['name']}, input_output_alias={{ {entries} }}", text, count=1)
+
+
+_SHARDING_CALL = re.compile(
+    r"custom-call\([^)%]*%(?P<param>[\w.-]+)\), custom_call_target=\"Sharding\", sharding=(?P<sharding>\{[^{}]*\})"
+)
+
+
+def _with_parameter_shardings(text: str) -> str:
+    """Give each entry parameter read through a ``Sharding`` custom call (an SPMD placeholder,
+    ``_xla.placeholder``) that sharding, as torch_xla prints a parameter whose data is sharded
+    (the custom call stays: a no-op on a value already so sharded)."""
+    sharding_of = {m["param"]: m["sharding"] for m in _SHARDING_CALL.finditer(text)}
+
+    def annotate(line: re.Match) -> str:
+        sharding = sharding_of.get(line["name"])
+        return line[0] if sharding is None else f"{line[0]}, sharding={sharding}"
+
+    return re.sub(r"^  %(?P<name>[\w.-]+) = [^\n]* parameter\(\d+\)$", annotate, text, flags=re.M)
 
 
 def _with_output_shardings(text: str, outputs: List[torch.Tensor]) -> str:

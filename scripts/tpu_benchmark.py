@@ -112,7 +112,7 @@ def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool = Fa
             compute_dtype=torch.bfloat16 if args.precision == "bf16" else None,
             **json.loads(args.options),
         )
-        ids = torch.zeros(1, args.seq, dtype=torch.long, device=_xla.device())
+        ids = _xla.placeholder((1, args.seq), torch.long)
         tpu_program.export_training_step(model, ids, path)
         return tpu_program.communication_floor(model)
 
@@ -125,7 +125,7 @@ def trace_torch_xla_fsdp(args: argparse.Namespace, path: Path) -> None:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from accel_xla_fsdp import tpu_program
+    from accel_xla_fsdp import _xla, tpu_program
 
     torch.manual_seed(0)
     device = torch_xla.device()
@@ -138,7 +138,7 @@ def trace_torch_xla_fsdp(args: argparse.Namespace, path: Path) -> None:
     )
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
     model = XlaFullyShardedDataParallel(model, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **replica)
-    ids = torch.zeros(1, args.seq, dtype=torch.long, device=device)
+    ids = _xla.placeholder((1, args.seq), torch.long)
     tpu_program.export_training_step(model, ids, path)
 
 

@@ -146,6 +146,15 @@ def test_per_parameter_shards_take_less_memory_than_flat(compiled, topology: str
     assert compiled["per_parameter", topology]["peak"] < compiled["flat", topology]["peak"]
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_placeholder_shards_compile_to_the_same_plan(compiled, topology: str) -> None:
+    """A model built on meta with placeholder shards (no buffer: how ``plan`` traces any model at
+    full depth) compiles to the very plan of the same model with real shards."""
+    real, placeholders = compiled["dim0", topology], compiled["dim0_placeholders", topology]
+    for figure in ("argument", "output", "alias", "temp", "peak", "ring_bytes", "collectives"):
+        assert placeholders[figure] == real[figure], figure
+
+
 # A product the size of lm_head's full gradient (vocabulary 16384 x hidden 128, or as 4 chips' parts)
 # in the optimized HLO: the TPU compiler names a fusion after the convolution (dot) it holds.
 _FULL_LM_HEAD_PRODUCT = re.compile(r"^\s*%\S*convolution\S* = f32\[(16384,128|4,4096,128)\]", re.M)

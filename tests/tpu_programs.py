@@ -19,12 +19,14 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch_xla
+from accelerate import init_empty_weights
 from models import LLAMA_CONFIG
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, checkpoint_module, seeded, tpu_program, transformer_block_policy
+from accel_xla_fsdp.construction import PlaceholderShards
 
 SEQ, BATCH = 16, 2
 WIDE = dict(hidden_size=128, intermediate_size=256)  # 4 heads of 32, 2 key-value heads: k_proj is 64 rows
@@ -45,6 +47,19 @@ def dim0() -> FSDP:
     with seeded(0):
         model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **WIDE}, attn_implementation="eager"))
     return FSDP(model, auto_wrap_policy=transformer_block_policy(), shard_param_on_dim_0=True)
+
+
+def dim0_placeholders() -> FSDP:
+    """dim0's model built on the meta device, its shards placeholders that hold no buffer
+    (``PlaceholderShards``, as ``accel-xla-fsdp plan`` wraps a model): the same program."""
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
+        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **WIDE}, attn_implementation="eager"))
+    return FSDP(
+        model,
+        auto_wrap_policy=transformer_block_policy(),
+        shard_param_on_dim_0=True,
+        param_init_fn=PlaceholderShards(),
+    )
 
 
 def dim0_lm_head(**options) -> FSDP:
@@ -92,6 +107,7 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "checkpointed": (checkpointed, 1, "train"),
     "frozen": (frozen_embedding, 1, "train"),
     "dim0": (dim0, 1, "train"),
+    "dim0_placeholders": (dim0_placeholders, 1, "train"),
     "lm_head_in_backward": (lambda: dim0_lm_head(reduce_scatter_in_linear_backward=True), 1, "train"),
     "lm_head_by_autograd": (lambda: dim0_lm_head(), 1, "train"),
     "vocabulary_sharded": (lambda: dim0_lm_head(keep_vocabulary_sharded=True), 1, "train"),
@@ -121,7 +137,7 @@ def export(name: str, out: Path) -> dict:
         tpu_program.export_step([loss], None, path)
         return {"floor": tpu_program.communication_floor(model, training=False)}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    tpu_program.create_optimizer_state(optimizer)
+    tpu_program.placeholder_optimizer_state(optimizer)
     donations = tpu_program.Donations.of_step(model, optimizer)
     for m in range(micro):
         if m < micro - 1:
