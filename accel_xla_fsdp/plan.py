@@ -16,13 +16,16 @@ and deeper models were traced with 1 and 2 decoder layers and extrapolated linea
 arguments and traffic, but 43% low for the temp of Llama-3.1-8B (3.09 against 5.39 GiB: a short
 model's temp does not grow as the full model's heap does; docs/plan.md).
 
-[Note: arguments beyond HBM]
+[Note: steps beyond HBM]
 A step whose arguments alone (parameter shards, AdamW state, batch: the exported program's
 parameters, ``tpu_program.argument_bytes``) exceed the chip's HBM does not fit, whatever its
 temp, and is not compiled: compiling a large model at full depth takes more memory than its size
 suggests (Llama-3.1-70B on 8 chips: over 23 GiB here, killed), and would add nothing to that
 verdict. SPMD FSDPv2 holds the same parameters and state per chip, so ``--compare`` is not
-traced either.
+traced either. A step that needs more than the chip's HBM in all, the TPU compiler refuses
+("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
+(19.64G) exceeds available HBM (15.75G)": Gemma-2-9B on v5e-8); its verdict quotes the compiler,
+and the peak is at least the larger of the arguments and that figure.
 
 [Note: torch_xla's SPMD FSDPv2 beside ours]
 ``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -256,13 +260,12 @@ class Step:
     ring_bytes: float
     floor: float
     collectives: Dict[str, float] = field(default_factory=dict)  # kind -> count
-    compiled: bool = True
+    not_compiled: str = ""  # why, when the figures are a lower bound ([Note: steps beyond HBM])
 
     @classmethod
-    def uncompiled(cls, argument: float, floor: float) -> Step:
-        """A step whose arguments alone exceed the chip's HBM, not compiled: its peak is at least
-        them ([Note: arguments beyond HBM])."""
-        return cls(argument, argument, argument, 0.0, argument, 0.0, floor, compiled=False)
+    def beyond_hbm(cls, argument: float, peak: float, floor: float, why: str) -> Step:
+        """A step not compiled, or refused by the compiler: its peak at least ``peak``."""
+        return cls(argument, argument, argument, peak - argument, peak, 0.0, floor, not_compiled=why)
 
     @classmethod
     def of(cls, report: Dict[str, Any], floor: float) -> Step:
@@ -323,6 +326,12 @@ def run_trace(request: Request, engine: str, workdir: Path) -> Tuple[Path, Dict[
     return program_path(spec), json.loads(spec_path.with_suffix(".out.json").read_text())
 
 
+# The compiler's refusal of a step beyond HBM ([Note: steps beyond HBM]); "G" is GiB
+_OUT_OF_HBM = re.compile(
+    r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)G\) exceeds available HBM \([0-9.]+G\)"
+)
+
+
 def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
     """``spmd``: the program is an SPMD trace, which the compiler partitions over the chips."""
     print(f"plan: compiling the step for {request.slice.name}", file=sys.stderr, flush=True)
@@ -335,6 +344,9 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
             "takes more than the model's size suggests (Llama-3.1-70B's step on 8 chips: over 23 GiB here); "
             "run plan on a machine with more memory"
         )
+    refused = _OUT_OF_HBM.search(done.stderr)
+    if refused:  # [Note: steps beyond HBM]
+        return {"refused": refused[0], "required": float(refused["required"]) * GIB}
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
@@ -357,11 +369,18 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
             program, traced = run_trace(request, engine, Path(tmp))
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
-            if engine == "ours" and traced["argument"] > the_slice.hbm:
-                # [Note: arguments beyond HBM]
-                steps["ours"] = Step.uncompiled(traced["argument"], traced["floor"])
+            if engine == "ours" and traced["argument"] > the_slice.hbm:  # [Note: steps beyond HBM]
+                why = "its arguments alone (parameter shards, AdamW state, batch) exceed the chip's HBM"
+                steps["ours"] = Step.beyond_hbm(traced["argument"], traced["argument"], traced["floor"], why)
                 break
-            steps[engine] = Step.of(run_compile(python, program, request, spmd=engine == "spmd"), traced["floor"])
+            report = run_compile(python, program, request, spmd=engine == "spmd")
+            if "refused" in report:  # SPMD: the same parameters and state per chip as ours
+                argument = steps["ours"].argument if engine == "spmd" else traced["argument"]
+                peak = max(argument, report["required"])
+                why = f"the TPU compiler refused it: {report['refused']}"
+                steps[engine] = Step.beyond_hbm(argument, peak, traced["floor"], why)
+            else:
+                steps[engine] = Step.of(report, traced["floor"])
     result: Dict[str, Any] = {
         "model": args.model,
         "model_type": config.model_type,
@@ -466,7 +485,12 @@ def format_plan(r: Dict[str, Any]) -> str:
     def gib(x: float) -> str:
         return f"{x / GIB:,.2f} GiB" if abs(x) >= GIB else f"{x / (1 << 20):,.1f} MiB"
 
-    columns = [("ours", r)] + [(ENGINES[k], r[k]) for k in ENGINES if k != "ours" and k in r]
+    engines = [("ours", r)] + [(ENGINES[k], r[k]) for k in ENGINES if k != "ours" and k in r]
+    columns = [(label, e) for label, e in engines if not e["not_compiled"]]
+
+    def prefix(label: str) -> str:
+        return "" if len(engines) == 1 else f"{label}: "
+
     state = f"parameters and AdamW state in {r['parameter_dtype']}, the config's dtype"
     precision = f"{'bf16' if r['precision'] == 'bf16' else 'fp32'} compute, {state}"
     depth = f"{r['layers']} decoder layers"
@@ -476,48 +500,22 @@ def format_plan(r: Dict[str, Any]) -> str:
         f"step: sequence {r['seq']}, batch {r['batch_per_chip']} per chip, {precision}, "
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
+        f"traced at full depth ({depth})"
+        + (", with eager attention for both: SPMD's bf16 autocast needs it" if r["attention"] == "eager" else ""),
     ]
-    lines.append(f"traced{' and compiled' if r['compiled'] else ''} at full depth ({depth})")
-    if r["attention"] == "eager" and r["compiled"]:
-        lines[-1] += ", both with eager attention: SPMD's bf16 autocast needs it (sdpa refuses its mixed dtypes)"
-    if not r["compiled"]:
-        lines += [
-            "",
-            f"not compiled: its arguments alone (parameter shards, AdamW state, batch) take {gib(r['argument'])} "
-            f"per chip, more than the chip's {gib(r['hbm'])} of HBM (docs/plan.md)"
-            + (f"; {ENGINES[r['compare']]} holds as much per chip: not traced" if r["compare"] else ""),
-            f"verdict: does NOT fit, at least {gib(-r['margin'])} over; to lower the peak:",
-            *[f"  - {h}" for h in r["hints"]],
-        ]
-        return "\n".join(lines)
-    rows = [
-        ("arguments (parameter shards, AdamW state, batch)", lambda e: e["argument"]),
-        ("output not donated", lambda e: e["output"] - e["alias"]),
-        ("temp", lambda e: e["temp"]),
-        ("peak", lambda e: e["peak"]),
-    ]
-    widths = [max(12, len(label)) + 2 for label, _ in columns] if len(columns) > 1 else [12]
-    header = "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)) if len(columns) > 1 else ""
-    lines += ["", f"{'per chip, as the TPU compiler plans it:':<51}{header}".rstrip()]
-    for name, figure in rows:
-        cells = "".join(f"{gib(figure(e)):>{w}}" for (_, e), w in zip(columns, widths))
-        lines.append(f"  {name:<49}{cells}")
-    shares = ", ".join(f"{e['peak'] / r['hbm']:.0%}" for _, e in columns)
-    lines[-1] += f"  of {gib(r['hbm'])} HBM ({shares})"
-    for label, e in columns:
-        counts = ", ".join(f"{c:,.0f} {kind}" for kind, c in e["collectives"].items()) or "none"
-        lines.append(
-            ("" if len(columns) == 1 else f"{label}: ")
-            + f"traffic per step, ring model: {gib(e['ring_bytes'])} sent per chip, "
-            f"{e['ring_bytes'] / e['floor']:.2f}x the FSDP floor ({gib(e['floor'])}); {counts}"
-        )
+    lines += [f"{prefix(label)}not compiled: {e['not_compiled']}" for label, e in engines if e["not_compiled"]]
+    if r["compare"] and r["compare"] not in r:
+        lines.append(f"{ENGINES[r['compare']]}: not traced (the same parameters and AdamW state per chip)")
+    if columns:
+        lines += ["", *_figures_table(columns, r["hbm"], gib)]
     lines.append("")
-    for label, e in columns:
+    for label, e in engines:
         if e["fits"]:
             verdict = f"fits, {gib(e['margin'])} to spare ({e['margin'] / r['hbm']:.0%} of HBM)"
         else:
-            verdict = f"does NOT fit, {gib(-e['margin'])} over" + ("; to lower the peak:" if e is r else "")
-        lines.append(f"verdict{'' if len(columns) == 1 else f', {label}'}: {verdict}")
+            over = f"at least {gib(-e['margin'])}" if e["not_compiled"] else gib(-e["margin"])
+            verdict = f"does NOT fit, {over} over" + ("; to lower the peak:" if e is r else "")
+        lines.append(f"verdict{'' if len(engines) == 1 else f', {label}'}: {verdict}")
         if e is r:
             lines += [f"  - {h}" for h in r["hints"]]
     lines.append(
@@ -527,6 +525,32 @@ def format_plan(r: Dict[str, Any]) -> str:
     if "hlo_out" in r:
         lines.append(f"the exported program: {r['hlo_out']}")
     return "\n".join(lines)
+
+
+def _figures_table(columns: List[Tuple[str, Dict[str, Any]]], hbm: int, gib: Any) -> List[str]:
+    """The compiled engines' bytes per chip, a column each, and their traffic."""
+    rows = [
+        ("arguments (parameter shards, AdamW state, batch)", lambda e: e["argument"]),
+        ("output not donated", lambda e: e["output"] - e["alias"]),
+        ("temp", lambda e: e["temp"]),
+        ("peak", lambda e: e["peak"]),
+    ]
+    widths = [max(12, len(label)) + 2 for label, _ in columns] if len(columns) > 1 else [12]
+    header = "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)) if len(columns) > 1 else ""
+    lines = [f"{'per chip, as the TPU compiler plans it:':<51}{header}".rstrip()]
+    for name, figure in rows:
+        cells = "".join(f"{gib(figure(e)):>{w}}" for (_, e), w in zip(columns, widths))
+        lines.append(f"  {name:<49}{cells}")
+    shares = ", ".join(f"{e['peak'] / hbm:.0%}" for _, e in columns)
+    lines[-1] += f"  of {gib(hbm)} HBM ({shares})"
+    for label, e in columns:
+        counts = ", ".join(f"{c:,.0f} {kind}" for kind, c in e["collectives"].items()) or "none"
+        lines.append(
+            ("" if len(columns) == 1 else f"{label}: ")
+            + f"traffic per step, ring model: {gib(e['ring_bytes'])} sent per chip, "
+            f"{e['ring_bytes'] / e['floor']:.2f}x the FSDP floor ({gib(e['floor'])}); {counts}"
+        )
+    return lines
 
 
 def _count(n: int) -> str:

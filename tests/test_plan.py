@@ -182,7 +182,8 @@ def test_plan_end_to_end(tpu_python: Path, tiny: Path, tmp_path: Path) -> None: 
     assert spmd["fits"] and spmd["margin"] == 16 * GIB - spmd["peak"]
     text = plan.format_plan(result).splitlines()
     assert "bf16 compute, parameters and AdamW state in float32, the config's dtype" in text[2]
-    assert text[3].startswith("traced and compiled at full depth (2 decoder layers), both with eager attention")
+    assert text[3] == "traced at full depth (2 decoder layers), with eager attention for both: SPMD's bf16 autocast needs it"
+    assert not result["not_compiled"] and not spmd["not_compiled"]
     assert text[text.index("") + 1].split()[-4:] == ["ours", "torch_xla", "SPMD", "FSDPv2"]
     assert [line.split(":")[0] for line in text if line.startswith("verdict")] == [
         "verdict, ours",
@@ -207,9 +208,29 @@ def test_arguments_beyond_hbm_are_not_compiled(tpu_python: Path, tmp_path: Path)
     config.save_pretrained(tmp_path / "wide")
     argv = [str(tmp_path / "wide"), "--topology", "v5e-4", "--seq", "64", "--precision", "bf16"]
     result = json.loads(_plan(tpu_python, *argv, "--compare", "spmd", "--json").stdout)
-    assert not result["compiled"] and not result["fits"] and "spmd" not in result
+    assert "arguments alone" in result["not_compiled"] and not result["fits"] and "spmd" not in result
     assert 12 * result["parameters"] / 4 <= result["argument"] <= 12 * result["parameters"] / 4 + 2**20
     assert result["peak"] == result["argument"] and result["margin"] == 16 * GIB - result["argument"]
     text = plan.format_plan(result)
-    assert "not compiled: its arguments alone" in text and "torch_xla SPMD FSDPv2 holds as much" in text
+    assert "not compiled: its arguments alone" in text and "torch_xla SPMD FSDPv2: not traced" in text
     assert "verdict: does NOT fit, at least" in text and "more chips" in text
+
+
+def test_a_step_the_compiler_refuses_does_not_fit() -> None:
+    """The TPU compiler refuses a step beyond the chip's HBM (Gemma-2-9B on v5e-8, at full depth):
+    the verdict quotes it, the peak at least the larger of the arguments and its figure."""
+    stderr = (
+        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (19.64G) exceeds available HBM (15.75G).\n"
+    )
+    refused = plan._OUT_OF_HBM.search(stderr)
+    assert refused is not None and float(refused["required"]) == 19.64
+    step = plan.Step.beyond_hbm(12.9 * GIB, 19.64 * GIB, 1.0, f"the TPU compiler refused it: {refused[0]}")
+    result: Dict[str, Any] = {**plan.engine_figures(step, plan.topology("v5e-8")), "model": "m", "model_type": "gemma2"}
+    result.update(parameters=9_241_705_984, layers=42, topology="v5e-8", chips=8, hbm=16 * GIB, seq=2048)
+    result.update(batch_per_chip=1, precision="bf16", gradient_checkpointing=True, config_file=None, compare=None)
+    result.update(parameter_dtype="float32", attention="the config's", hints=[])
+    assert not result["fits"] and result["peak"] == 19.64 * GIB
+    text = plan.format_plan(result)
+    assert "not compiled: the TPU compiler refused it: Ran out of memory on HBM" in text
+    assert "verdict: does NOT fit, at least 3.64 GiB over" in text and "per chip, as the TPU compiler" not in text
