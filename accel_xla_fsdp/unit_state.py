@@ -291,9 +291,18 @@ class UnitState:
         if not keep:
             return
         dim0 = {id(g.slots[0].param): g for g in self.param_groups if g.spec.dim0 and len(g.slots) == 1}
-        for m in self.module.modules():
-            table = dim0.get(id(m.weight)) if embedding.is_patched(m) or linear.is_patched(m) else None
-            if table is not None:
+        # A table stays sharded only if every module holding it computes from its shard: a tied
+        # weight also read by another module (Gemma-2's scaled embedding, a subclass with its own
+        # forward, beside its patched lm_head) must be gathered for it.
+        holders: Dict[int, List[nn.Module]] = {}
+        for m in self.module.modules():  # full parameters are plain attributes (construction.py)
+            for value in [*m._parameters.values(), *vars(m).values()]:
+                if isinstance(value, torch.Tensor):
+                    holders.setdefault(id(value), []).append(m)
+        computes_from_shard = [m for m in self.module.modules() if embedding.is_patched(m) or linear.is_patched(m)]
+        for m in computes_from_shard:
+            table = dim0.get(id(m.weight))
+            if table is not None and all(h in computes_from_shard for h in holders[id(m.weight)]):
                 sharded_tables.attach(m, table)
                 table.kept_sharded = True
 

@@ -117,6 +117,23 @@ class TiedTransformer(nn.Module):
         return FSDP(self, **kw)
 
 
+class ScaledEmbedding(nn.Embedding):
+    """An embedding that scales its rows in a forward of its own, as Gemma-2's does: not a stock
+    ``nn.Embedding``, so FSDP leaves it unpatched."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 2.0
+
+
+class ScaledTiedTransformer(TiedTransformer):
+    """TiedTransformer with a ScaledEmbedding tied to its (patched) output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = ScaledEmbedding(self.vocab, 16)
+        self.output_proj.weight = self.embed_tokens.weight
+
+
 class FrozenOdd(nn.Module):
     """Frozen parameters, and sizes that divide by neither 2 nor 4 (7x13, 13, 13x5, ...)."""
 
@@ -190,6 +207,7 @@ def build(name: str) -> nn.Module:
     makers: Dict[str, Callable[[], nn.Module]] = {
         "nested_linear": NestedLinear,
         "tied_transformer": TiedTransformer,
+        "scaled_tied": ScaledTiedTransformer,
         "frozen_odd": FrozenOdd,
         "llama": make_llama,
         "moe": lambda: MixtureOfExperts(nn.Linear(23, 12)),
@@ -220,8 +238,8 @@ def wrap(name: str, model: nn.Module, rank: int, world: int, kw: Dict[str, Any],
 def global_batch(name: str, step: int, micro: int, world: int) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
     rows = LOCAL_BATCH * world
-    if name in ("tied_transformer", "llama"):
-        vocab = TiedTransformer.vocab if name == "tied_transformer" else LLAMA_CONFIG["vocab_size"]
+    if name in ("tied_transformer", "scaled_tied", "llama"):
+        vocab = LLAMA_CONFIG["vocab_size"] if name == "llama" else TiedTransformer.vocab
         ids = torch.randint(0, vocab, (rows, 12), generator=g)
         return ids, torch.roll(ids, -1, dims=1)
     width = {"nested_linear": (8, 8), "frozen_odd": (7, 3), "moe": (8, 8), "wide_head": (8, 8200)}[name]
@@ -239,7 +257,7 @@ def compute_loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
         # crashed on (SIGSEGV, seen once in a full run).
         return model(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss
     out = model(x)
-    if name == "tied_transformer":
+    if name in ("tied_transformer", "scaled_tied"):
         return F.cross_entropy(out.reshape(-1, out.size(-1)).float(), y.reshape(-1))
     return F.mse_loss(out.float(), y)
 

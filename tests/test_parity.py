@@ -76,6 +76,8 @@ CASES = [
     Case("llama", KEEP_SHARDED, optimizer="sgd", accumulation=2),
     Case("llama", KEEP_SHARDED, optimizer="adamw", checkpoint=True),
     Case("tied_transformer", KEEP_SHARDED, optimizer="sgd", accumulation=2),
+    # ... but gathered whole for an embedding of its own forward that holds it too (Gemma-2's)
+    Case("scaled_tied", KEEP_SHARDED, optimizer="sgd"),
     Case("nested_linear", KEEP_SHARDED + NO_RESHARD),
 ]
 
