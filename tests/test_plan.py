@@ -182,7 +182,8 @@ def test_plan_end_to_end(tpu_python: Path, tiny: Path, tmp_path: Path) -> None: 
     assert spmd["fits"] and spmd["margin"] == 16 * GIB - spmd["peak"]
     text = plan.format_plan(result).splitlines()
     assert "bf16 compute, parameters and AdamW state in float32, the config's dtype" in text[2]
-    assert text[3] == "traced at full depth (2 decoder layers), with eager attention for both: SPMD's bf16 autocast needs it"
+    eager = "with eager attention for both: SPMD's bf16 autocast needs it"
+    assert text[3] == f"traced at full depth (2 decoder layers), {eager}"
     assert not result["not_compiled"] and not spmd["not_compiled"]
     assert text[text.index("") + 1].split()[-4:] == ["ours", "torch_xla", "SPMD", "FSDPv2"]
     assert [line.split(":")[0] for line in text if line.startswith("verdict")] == [
@@ -226,7 +227,8 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     refused = plan._OUT_OF_HBM.search(stderr)
     assert refused is not None and float(refused["required"]) == 19.64
     step = plan.Step.beyond_hbm(12.9 * GIB, 19.64 * GIB, 1.0, f"the TPU compiler refused it: {refused[0]}")
-    result: Dict[str, Any] = {**plan.engine_figures(step, plan.topology("v5e-8")), "model": "m", "model_type": "gemma2"}
+    result: Dict[str, Any] = {**plan.engine_figures(step, plan.topology("v5e-8")), "model": "m"}
+    result.update(model_type="gemma2")
     result.update(parameters=9_241_705_984, layers=42, topology="v5e-8", chips=8, hbm=16 * GIB, seq=2048)
     result.update(batch_per_chip=1, precision="bf16", gradient_checkpointing=True, config_file=None, compare=None)
     result.update(parameter_dtype="float32", attention="the config's", hints=[])
