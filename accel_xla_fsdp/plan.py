@@ -370,7 +370,10 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
             if engine == "ours" and traced["argument"] > the_slice.hbm:  # [Note: steps beyond HBM]
-                why = "its arguments alone (parameter shards, AdamW state, batch) exceed the chip's HBM"
+                why = (
+                    f"its arguments alone (parameter shards, AdamW state, batch) take {traced['argument'] / GIB:.2f} "
+                    f"GiB per chip, more than the chip's {the_slice.hbm / GIB:.2f} GiB of HBM"
+                )
                 steps["ours"] = Step.beyond_hbm(traced["argument"], traced["argument"], traced["floor"], why)
                 break
             report = run_compile(python, program, request, spmd=engine == "spmd")
