@@ -18,7 +18,7 @@ model's temp does not grow as the full model's heap does; docs/plan.md).
 
 [Note: steps beyond HBM]
 A step whose arguments alone (parameter shards, AdamW state, batch: the exported program's
-parameters, ``tpu_program.argument_bytes``) exceed the chip's HBM does not fit, whatever its
+parameters, ``tpu_program.ExportedProgram.argument_bytes``) exceed the chip's HBM does not fit, whatever its
 temp, and is not compiled: compiling a large model at full depth takes more memory than its size
 suggests (Llama-3.1-70B on 8 chips: over 23 GiB here, killed), and would add nothing to that
 verdict. SPMD FSDPv2 holds the same parameters and state per chip, so ``--compare`` is not
@@ -189,10 +189,7 @@ def trace(spec: Dict[str, Any]) -> Dict[str, float]:
         _trace_spmd(spec, config, program_path(spec))
         return {"floor": 0.0}
     with _xla.tracing_replica(0, spec["chips"], "TPU"):
-        floor = _trace_one(spec, config, program_path(spec))
-    from . import tpu_program
-
-    return {"floor": floor, "argument": tpu_program.argument_bytes(program_path(spec))}
+        return _trace_one(spec, config, program_path(spec))
 
 
 def _model_on_meta(config: Any) -> Any:
@@ -206,7 +203,7 @@ def _model_on_meta(config: Any) -> Any:
     return _as_loaded(model)  # outside: init_empty_weights makes the re-registered tied weight anew
 
 
-def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
+def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> Dict[str, float]:
     import torch
 
     from . import _xla, tpu_program
@@ -219,8 +216,8 @@ def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> float:
         model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=PlaceholderShards()
     )
     ids = _xla.placeholder((spec["batch"], spec["seq"]), torch.long)
-    tpu_program.export_training_step(wrapped, ids, out)
-    return tpu_program.communication_floor(wrapped)
+    exported = tpu_program.export_training_step(wrapped, ids, out)
+    return {"floor": tpu_program.communication_floor(wrapped), "argument": exported.argument_bytes}
 
 
 def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:

@@ -102,7 +102,9 @@ class Report:
         return {**asdict(self), "ring_bytes": self.ring_bytes}
 
 
-def _array_bytes(shape: str) -> List[int]:
+def array_bytes(shape: str) -> List[int]:
+    """The bytes of each array an HLO shape text names (``f32[8,128]``, a tuple's or a
+    signature's several)."""
     return [_DTYPE_BYTES.get(m["dtype"], 4) * _numel(m["dims"]) for m in _ARRAY.finditer(shape)]
 
 
@@ -156,7 +158,7 @@ def count_collectives(optimized_hlo: str, chips: int) -> Dict[str, CollectiveKin
             continue
         seen.add(key)
         n = _group_size(rest, chips)
-        result = sum(_array_bytes(m["shape"]))  # a combined collective's result is a tuple
+        result = sum(array_bytes(m["shape"]))  # a combined collective's result is a tuple
         full = result * n if kind == "reduce-scatter" else result
         entry = kinds.setdefault(kind, CollectiveKind())
         entry.count += 1

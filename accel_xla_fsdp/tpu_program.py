@@ -28,7 +28,6 @@ tensors and the program a real TPU sync compiles, and the export puts them right
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch
 import torch_xla
 
-from . import _xla
+from . import _xla, tpu_compiler
 
 if TYPE_CHECKING:
     from .fsdp import XlaFullyShardedDataParallel
@@ -97,6 +96,7 @@ class ExportedProgram:
     parameters: int
     outputs: int
     aliased: int  # outputs donated their input's buffer
+    argument_bytes: int  # of its parameters: what a chip holds as its arguments (see export_step)
 
 
 def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations], path: Path) -> ExportedProgram:
@@ -121,7 +121,12 @@ def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations],
     path.write_text(text)
     _xla.replace_data(outputs, [_xla.placeholder(t.shape, t.dtype) for t in outputs])
     _xla.traced_graph_exported()
-    return ExportedProgram(path, len(param_ids), len(outputs), len(aliases))
+    # The entry's parameters' bytes: the compiler's argument figure for ours, whose shards are
+    # whole tiles (issue 25's Llama: 175.6 MB both).
+    entry = _ENTRY.search(text)
+    assert entry is not None, "an HLO module has an ENTRY computation"
+    arguments: int = sum(tpu_compiler.array_bytes(entry["params"]))
+    return ExportedProgram(path, len(param_ids), len(outputs), len(aliases), arguments)
 
 
 def export_training_step(
@@ -210,33 +215,6 @@ def _shard_as_placeholders(model: torch.nn.Module, mesh: Any) -> None:
                 sharding = mesh.get_op_sharding(_prepare_spmd_partition_spec(p, shard_maximal=True))
                 made[id(p)] = torch.nn.Parameter(_xla.placeholder(p.shape, p.dtype, sharding), p.requires_grad)
             module._parameters[name] = made[id(p)]
-
-
-_ELEMENT_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "bf16": 2,
-    "f16": 2,
-    "s16": 2,
-    "f32": 4,
-    "s32": 4,
-    "u32": 4,
-    "s64": 8,
-    "f64": 8,
-}
-
-
-def argument_bytes(path: Path) -> int:
-    """The bytes of an exported replica program's parameters: what a chip holds as its arguments
-    (the compiler's figure for ours, whose shards are whole tiles; issue 25's Llama: 175.6 MB both)."""
-    text = Path(path).read_text()
-    entry = _ENTRY.search(text)
-    assert entry is not None, "an HLO module has an ENTRY computation"
-    total = 0
-    for m in _PARAM_SHAPE.finditer(entry["params"]):
-        total += _ELEMENT_BYTES[m["dtype"]] * math.prod(int(d) for d in m["dims"].split(",") if d)
-    return total
 
 
 def _aliases(outputs: List[torch.Tensor], param_ids: Sequence[int], donations: Donations) -> Dict[int, int]:
