@@ -186,10 +186,12 @@ class FsdpOptions:
         "the embedding looks up every replica's tokens in each replica's rows and reduce-scatters "
         "them (all-gathers the tokens' gradient rows in backward), lm_head gathers its rows a chunk "
         "at a time in forward and again in backward (sharded_tables.py). Their gradients arrive "
-        "reduced, also under no_sync. Off by default: on v5e-8 it lowers issue 25's 4-layer Llama "
-        "from 533.0 to 481.3 MB per chip in fp32 and from 493.1 to 325.1 in bf16 (SPMD FSDPv2: "
-        "428.6 and 358.9), and tied Llama-3.2-1B's checkpointed plan from 4.53 to 3.29 GiB, but "
-        "Llama-3.1-8B's, at full depth, from 11.00 to 11.10 GiB: up (docs/tpu.md).",
+        "reduced, also under no_sync. Off in the engine. Accelerate's default (None): on a TPU "
+        "with dim-0 shards, where the compiler plans less with it: on v5e-8, Llama-3.2-1B (lm_head "
+        "tied to the embedding) checkpointed in bf16 2.71 against 3.66 GiB per chip (SPMD FSDPv2: "
+        "3.13), Qwen2.5-7B 8.80 against 9.42, issue 25's 4-layer Llama 325.1 against 493.1 MB; "
+        "Llama-3.1-8B 10.00 against 9.93 GiB, about the same (docs/tpu.md); elsewhere off.",
+        accelerate_default=None,
     )
 
     def __post_init__(self) -> None:

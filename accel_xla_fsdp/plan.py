@@ -217,7 +217,11 @@ def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> Dict[str, float]
     )
     ids = _xla.placeholder((spec["batch"], spec["seq"]), torch.long)
     exported = tpu_program.export_training_step(wrapped, ids, out)
-    return {"floor": tpu_program.communication_floor(wrapped), "argument": exported.argument_bytes}
+    return {
+        "floor": tpu_program.communication_floor(wrapped),
+        "argument": exported.argument_bytes,
+        "vocabulary_kept_sharded": tpu_program.keeps_a_table_sharded(wrapped),
+    }
 
 
 def _trace_spmd(spec: Dict[str, Any], config: Any, out: Path) -> None:
@@ -361,9 +365,11 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     parameters, parameter_dtype = parameter_count(config)
     engines = ["ours", *([args.compare] if args.compare else [])]
     steps: Dict[str, Step] = {}
+    kept_sharded = False
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
         for engine in engines:
             program, traced = run_trace(request, engine, Path(tmp))
+            kept_sharded = kept_sharded or bool(traced.get("vocabulary_kept_sharded"))
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
             if engine == "ours" and traced["argument"] > the_slice.hbm:  # [Note: steps beyond HBM]
@@ -396,6 +402,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "config_file": args.config_file,
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "lm_head_gradient_in_backward": lm_head_in_backward,
+        "vocabulary_kept_sharded": kept_sharded,
         "parameter_dtype": str(parameter_dtype).removeprefix("torch."),
         "attention": attention or "the config's",
         "compare": args.compare,
@@ -466,11 +473,12 @@ def hints(result: Dict[str, Any]) -> List[str]:
         found.append("gradient checkpointing (--gradient-checkpointing): activations recomputed in backward")
     if result["batch_per_chip"] > 1:
         found.append("a smaller per-chip batch (--batch), with gradient accumulation for the same global batch")
-    if result.get("tied_embeddings") and not result.get("lm_head_gradient_in_backward"):
+    tied_and_gathered = result["tied_embeddings"] and not result["vocabulary_kept_sharded"]
+    if tied_and_gathered and not result["lm_head_gradient_in_backward"]:
         found.append(
             f"{LM_HEAD_KEY}: true in the --config_file: this model's lm_head is its embedding, and the "
-            "tied table's full gradient is then never held through backward (Llama-3.2-1B on v5e-8: 3.23 "
-            "against 4.53 GiB at full depth; docs/tpu.md)"
+            "tied table's full gradient is then never held through backward (Llama-3.2-1B on v5e-8, its "
+            "tables gathered whole: 3.23 against 4.53 GiB at full depth; docs/tpu.md)"
         )
     found.append(
         f"more chips: parameters and optimizer state take {result['argument'] / GIB:.1f} GiB per chip here and "
@@ -499,6 +507,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         f"on {r['topology']}: {r['chips']} {r['topology'].split('-')[0]} chips of {gib(r['hbm'])} HBM",
         f"step: sequence {r['seq']}, batch {r['batch_per_chip']} per chip, {precision}, "
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
+        + (", the vocabulary's tables kept sharded" if r["vocabulary_kept_sharded"] else "")
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
         f"traced at full depth ({depth})"
         + (", with eager attention for both: SPMD's bf16 autocast needs it" if r["attention"] == "eager" else ""),

@@ -303,5 +303,10 @@ def communication_floor(root: XlaFullyShardedDataParallel, training: bool = True
     return total
 
 
+def keeps_a_table_sharded(root: XlaFullyShardedDataParallel) -> bool:
+    """Whether a unit of ``root`` computes a table from its shard (``keep_vocabulary_sharded``)."""
+    return any(group.kept_sharded for _, unit in root.unit_state.named_units() for group in unit.param_groups)
+
+
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

@@ -255,6 +255,22 @@ def test_plugin_layout_default_is_the_platforms(monkeypatch) -> None:
         assert layout(shard_param_on_dim_0=False) == (False, False)
 
 
+def test_plugin_keeps_the_vocabulary_sharded_on_a_tpu(monkeypatch) -> None:
+    """Unset, ``keep_vocabulary_sharded`` is on with dim-0 shards on a TPU (the compiler plans less
+    with it: docs/tpu.md) and off on XLA:CPU; a value given stays."""
+    monkeypatch.delenv(CONFIG_FILE_ENV, raising=False)
+    for env in ("XLA_FSDP_FLATTEN_PARAMETERS", "XLA_FSDP_SHARD_PARAM_ON_DIM_0", "XLA_FSDP_KEEP_VOCABULARY_SHARDED"):
+        monkeypatch.delenv(env, raising=False)
+
+    def kept(**given) -> bool:
+        return XlaFsdpPlugin(**given).engine_options(torch.bfloat16).keep_vocabulary_sharded
+
+    assert not kept() and kept(shard_param_on_dim_0=True, keep_vocabulary_sharded=True)
+    with _xla.tracing_replica(0, 4, "TPU"):
+        assert kept() and not kept(keep_vocabulary_sharded=False)
+        assert not kept(flatten_parameters=True) and not kept(shard_param_on_dim_0=False)
+
+
 @pytest.mark.parametrize(
     "section, message",
     [

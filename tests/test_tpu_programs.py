@@ -193,6 +193,7 @@ def test_vocabulary_tables_are_never_whole(compiled, topology: str) -> None:
     # the layers' and the norm's gradients, lm_head's 2 chunks, the embedding's looked-up rows
     reduce_scatters = LAYERS * LAYER + 1 + 2 + 1
     # the ids' gather (4 x 32 int32), which the compiler makes an all-reduce of 128 zero-padded ids
+    assert kept["kept_sharded"] and not whole["kept_sharded"]
     assert kinds == {"all-gather": gathers, "all-reduce": 1, "reduce-scatter": reduce_scatters}
     assert kept["collectives"]["all-reduce"]["bytes"] == 4 * 128
     assert kept["ring_bytes"] < kept["floor"]

@@ -151,7 +151,7 @@ def export(name: str, out: Path) -> dict:
     outputs: List[torch.Tensor] = [loss, *model.parameters(), *tpu_program.xla_tensors(optimizer)]
     exported = tpu_program.export_step(outputs, donations, path)
     floor = tpu_program.communication_floor(model, micro_batches=micro)
-    return {"floor": floor, "aliased": exported.aliased}
+    return {"floor": floor, "aliased": exported.aliased, "kept_sharded": tpu_program.keeps_a_table_sharded(model)}
 
 
 def export_reduce_scatter(name: str, out: Path, world: int, token) -> dict:
