@@ -1,13 +1,14 @@
 """Bytes per chip of one training step as the TPU compiler plans it: ours against torch_xla's FSDPs.
 
 One run traces, for each topology and precision, the same training step (forward, backward, AdamW
-with its state present) of issue 25's Llama five ways, compiles each with libtpu for the topology
+with its state present) of issue 25's Llama six ways, compiles each with libtpu for the topology
 (``accel_xla_fsdp/tpu_compiler.py`` in ``.tpu-venv``), and prints a table of MB per chip
 (argument, output, alias, temp, peak) and collectives, and draws them into a plot:
 
-* **ours, flat**, **ours, per-parameter** (1-D shards) and **ours, dim 0** (per-parameter shards
-  on dim 0, the Accelerate plugin's TPU default): this engine, each decoder layer a unit, traced
-  as replica 0 of the chips in the TPU form (``_xla.tracing_replica``);
+* **ours, flat**, **ours, per-parameter** (1-D shards), **ours, dim 0** (per-parameter shards on
+  dim 0) and **ours, TPU default** (dim 0 with the vocabulary's tables kept sharded, the
+  Accelerate plugin's TPU default): this engine, each decoder layer a unit, traced as replica 0
+  of the chips in the TPU form (``_xla.tracing_replica``);
 * **torch_xla FSDP**: ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel`` with its own
   defaults, each decoder layer a unit, traced as replica 0 with explicit sharding groups (it then
   never asks the one-replica runtime here for its rank; ``XLA_ALWAYS_ALLREDUCE`` keeps its
@@ -55,6 +56,7 @@ VARIANTS: Dict[str, Variant] = {
     "ours-flat": Variant("ours, flat"),
     "ours": Variant("ours, per-parameter"),
     "ours-dim0": Variant("ours, dim 0"),
+    "ours-tpu": Variant("ours, TPU default"),
     "torch_xla-fsdp": Variant("torch_xla FSDP"),
     "torch_xla-spmd": Variant("torch_xla SPMD FSDPv2", spmd=True),
 }
@@ -87,7 +89,7 @@ def checkpointed(wrapper: Any, checkpoint_module: Any) -> Any:
     return lambda m, *a, **kw: wrapper(checkpoint_module(m), *a, **kw)
 
 
-def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool = False) -> float:
+def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool, keep_vocabulary: bool) -> float:
     import torch
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -110,7 +112,7 @@ def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool = Fa
             flatten_parameters=flat,
             shard_param_on_dim_0=dim0,
             compute_dtype=torch.bfloat16 if args.precision == "bf16" else None,
-            **json.loads(args.options),
+            **{"keep_vocabulary_sharded": keep_vocabulary, **json.loads(args.options)},
         )
         ids = _xla.placeholder((1, args.seq), torch.long)
         tpu_program.export_training_step(model, ids, path)
@@ -159,7 +161,8 @@ def trace(args: argparse.Namespace) -> None:
     path = Path(args.out)
     floor = None
     if args.trace.startswith("ours"):
-        floor = trace_ours(args, path, flat=args.trace == "ours-flat", dim0=args.trace == "ours-dim0")
+        dim0 = args.trace in ("ours-dim0", "ours-tpu")
+        floor = trace_ours(args, path, args.trace == "ours-flat", dim0, keep_vocabulary=args.trace == "ours-tpu")
     elif args.trace == "torch_xla-fsdp":
         trace_torch_xla_fsdp(args, path)
     else:
@@ -276,7 +279,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", action="append", help="v5e-8 (default), v4-8, ... (tpu_compiler.TOPOLOGIES)")
-    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all five")
+    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all six")
     p.add_argument("--precision", action="append", choices=PRECISIONS, help="default: fp32 and bf16")
     add_model_arguments(p)
     p.add_argument("--options", default="{}", help="more of our FSDP options, as JSON (ours only)")
