@@ -286,7 +286,8 @@ class XlaFsdpPlugin:
             # On a TPU with dim-0 shards, the embedding and lm_head computed from their shards: the
             # compiler plans real models' steps in less memory (Llama-3.2-1B, whose lm_head is its
             # embedding, 2.71 against 3.66 GiB per chip on v5e-8; Qwen2.5-7B 8.80 against 9.42) or
-            # about the same (Llama-3.1-8B 10.00 against 9.93), and they move less (docs/tpu.md).
+            # a little more (Llama-3.1-8B 10.00 against 9.93, 12.66 against 12.05 in fp32), and they
+            # move less (docs/tpu.md).
             self.keep_vocabulary_sharded = on_tpu and bool(self.shard_param_on_dim_0)
         self._check_consistent()
 
