@@ -369,7 +369,8 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
         for engine in engines:
             program, traced = run_trace(request, engine, Path(tmp))
-            kept_sharded = kept_sharded or bool(traced.get("vocabulary_kept_sharded"))
+            if engine == "ours":
+                kept_sharded = bool(traced["vocabulary_kept_sharded"])
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
             if engine == "ours" and traced["argument"] > the_slice.hbm:  # [Note: steps beyond HBM]
