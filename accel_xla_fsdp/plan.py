@@ -359,8 +359,12 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     config = load_config(args.model)
     precision, checkpointing, lm_head_in_backward = _launch_settings(args)
     model = str(Path(args.model).resolve())
-    # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same attention for both
-    attention = "eager" if args.compare == "spmd" and precision == "bf16" else None
+    attention = args.attention
+    if args.compare == "spmd" and precision == "bf16":
+        # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same attention for both
+        if attention == "sdpa":
+            raise PlanError("--compare spmd in bf16 traces eager attention (SPMD's autocast refuses sdpa): drop --attention sdpa")
+        attention = "eager"
     request = Request(model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention)
     parameters, parameter_dtype = parameter_count(config)
     engines = ["ours", *([args.compare] if args.compare else [])]
@@ -511,7 +515,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         + (", the vocabulary's tables kept sharded" if r["vocabulary_kept_sharded"] else "")
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
         f"traced at full depth ({depth})"
-        + (", with eager attention for both: SPMD's bf16 autocast needs it" if r["attention"] == "eager" else ""),
+        + _attention_note(r),
     ]
     lines += [f"{prefix(label)}not compiled: {e['not_compiled']}" for label, e in engines if e["not_compiled"]]
     if r["compare"] and r["compare"] not in r:
@@ -567,6 +571,14 @@ def _count(n: int) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
 
 
+def _attention_note(r: Dict[str, Any]) -> str:
+    if r["attention"] == "the config's":
+        return ""
+    if r["compare"] == "spmd" and r["precision"] == "bf16":
+        return ", with eager attention for both: SPMD's bf16 autocast needs it"
+    return f", with {r['attention']} attention"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="a model folder holding config.json, or the config file")
     parser.add_argument("--topology", required=True, help=f"the slice: {', '.join(sorted(tpu_compiler.TOPOLOGIES))}")
@@ -589,6 +601,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hlo-out",
         metavar="FILE",
         help="write the exported program compiled (ours)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=["eager", "sdpa"],
+        help="the attention implementation traced (default: the config's; eager for both with --compare spmd in bf16)",
     )
     parser.add_argument(
         "--compare",
