@@ -363,7 +363,9 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     if args.compare == "spmd" and precision == "bf16":
         # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same attention for both
         if attention == "sdpa":
-            raise PlanError("--compare spmd in bf16 traces eager attention (SPMD's autocast refuses sdpa): drop --attention sdpa")
+            raise PlanError(
+                "--compare spmd in bf16 traces eager attention (SPMD's autocast refuses sdpa): drop --attention sdpa"
+            )
         attention = "eager"
     request = Request(model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention)
     parameters, parameter_dtype = parameter_count(config)
@@ -514,8 +516,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
         + (", the vocabulary's tables kept sharded" if r["vocabulary_kept_sharded"] else "")
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
-        f"traced at full depth ({depth})"
-        + _attention_note(r),
+        f"traced at full depth ({depth})" + _attention_note(r),
     ]
     lines += [f"{prefix(label)}not compiled: {e['not_compiled']}" for label, e in engines if e["not_compiled"]]
     if r["compare"] and r["compare"] not in r:
