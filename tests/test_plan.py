@@ -89,6 +89,24 @@ def test_bad_arguments_exit_2(tiny: Path, capsys, argv: List[str], message: str)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_sdpa_beside_spmd_in_bf16_is_refused(tiny: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv(plan.TPU_PYTHON_ENV, sys.executable)  # any Python: nothing is compiled
+    argv = [
+        "plan",
+        str(tiny),
+        "--topology",
+        "v5e-8",
+        "--precision",
+        "bf16",
+        "--compare",
+        "spmd",
+        "--attention",
+        "sdpa",
+    ]
+    err = _error(argv, capsys)
+    assert "eager attention" in err and "drop --attention sdpa" in err
+
+
 def test_config_file_settings_and_overrides(tmp_path: Path, capsys, tiny: Path, monkeypatch) -> None:
     """The launch config's mixed_precision and fsdp_activation_checkpointing are the defaults."""
     parser = cli.build_parser()
@@ -242,3 +260,6 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     text = plan.format_plan(result)
     assert "not compiled: the TPU compiler refused it: Ran out of memory on HBM" in text
     assert "verdict: does NOT fit, at least 3.64 GiB over" in text and "per chip, as the TPU compiler" not in text
+    assert "attention" not in text.splitlines()[3]  # the config's
+    result.update(attention="sdpa")  # --attention sdpa
+    assert plan.format_plan(result).splitlines()[3].endswith("), with sdpa attention")
