@@ -86,7 +86,8 @@ class FsdpOptions:
     )
     optimization_barrier_in_backward: bool = _option(
         True,
-        "Optimization barriers around each backward gather and reduce-scatter (same reason).",
+        "Optimization barriers around each backward gather and reduce-scatter (same reason); none "
+        "over every gradient at the end of backward, where torch_xla's FSDP puts one (docs/tpu.md).",
     )
     sync_on_finalization: bool = _option(
         False,
