@@ -262,11 +262,15 @@ class Step:
     floor: float
     collectives: Dict[str, float] = field(default_factory=dict)  # kind -> count
     not_compiled: str = ""  # why, when the figures are a lower bound ([Note: steps beyond HBM])
+    hbm_available: float = 0.0  # the HBM the compiler had for the step, when it refused it
 
     @classmethod
-    def beyond_hbm(cls, argument: float, peak: float, floor: float, why: str) -> Step:
-        """A step not compiled, or refused by the compiler: its peak at least ``peak``."""
-        return cls(argument, argument, argument, peak - argument, peak, 0.0, floor, not_compiled=why)
+    def beyond_hbm(cls, argument: float, peak: float, floor: float, why: str, available: float = 0.0) -> Step:
+        """A step not compiled, or refused by the compiler (with ``available``, the HBM it had):
+        its peak at least ``peak``."""
+        return cls(
+            argument, argument, argument, peak - argument, peak, 0.0, floor, not_compiled=why, hbm_available=available
+        )
 
     @classmethod
     def of(cls, report: Dict[str, Any], floor: float) -> Step:
@@ -329,7 +333,7 @@ def run_trace(request: Request, engine: str, workdir: Path) -> Tuple[Path, Dict[
 
 # The compiler's refusal of a step beyond HBM ([Note: steps beyond HBM]); "G" is GiB
 _OUT_OF_HBM = re.compile(
-    r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)G\) exceeds available HBM \([0-9.]+G\)"
+    r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)G\) exceeds available HBM \((?P<available>[0-9.]+)G\)"
 )
 
 
@@ -347,7 +351,8 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
         )
     refused = _OUT_OF_HBM.search(done.stderr)
     if refused:  # [Note: steps beyond HBM]
-        return {"refused": refused[0], "required": float(refused["required"]) * GIB}
+        required, available = float(refused["required"]) * GIB, float(refused["available"]) * GIB
+        return {"refused": refused[0], "required": required, "available": available}
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
@@ -391,7 +396,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                 argument = steps["ours"].argument if engine == "spmd" else traced["argument"]
                 peak = max(argument, report["required"])
                 why = f"the TPU compiler refused it: {report['refused']}"
-                steps[engine] = Step.beyond_hbm(argument, peak, traced["floor"], why)
+                steps[engine] = Step.beyond_hbm(argument, peak, traced["floor"], why, report["available"])
             else:
                 steps[engine] = Step.of(report, traced["floor"])
     result: Dict[str, Any] = {
@@ -429,7 +434,10 @@ def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) 
     step carries."""
     if floor is not None:
         step = replace(step, floor=floor)
-    return {**asdict(step), "fits": step.peak <= the_slice.hbm, "margin": the_slice.hbm - step.peak}
+    # A refused step does not fit, though its lower bound may be below the chip's HBM: the
+    # compiler has less than all of it (Gemma-2-9B on v4-8: 31.27 GiB needed, 30.75 available of 32)
+    fits = not step.hbm_available and step.peak <= the_slice.hbm
+    return {**asdict(step), "fits": fits, "margin": (step.hbm_available or the_slice.hbm) - step.peak}
 
 
 LM_HEAD_KEY = "xla_fsdp_reduce_scatter_in_linear_backward"
@@ -529,7 +537,8 @@ def format_plan(r: Dict[str, Any]) -> str:
             verdict = f"fits, {gib(e['margin'])} to spare ({e['margin'] / r['hbm']:.0%} of HBM)"
         else:
             over = f"at least {gib(-e['margin'])}" if e["not_compiled"] else gib(-e["margin"])
-            verdict = f"does NOT fit, {over} over" + ("; to lower the peak:" if e is r else "")
+            had = f" the {gib(e['hbm_available'])} of HBM the compiler had" if e.get("hbm_available") else ""
+            verdict = f"does NOT fit, {over} over{had}" + ("; to lower the peak:" if e is r else "")
         lines.append(f"verdict{'' if len(engines) == 1 else f', {label}'}: {verdict}")
         if e is r:
             lines += [f"  - {h}" for h in r["hints"]]

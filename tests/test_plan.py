@@ -241,16 +241,27 @@ def test_arguments_beyond_hbm_are_not_compiled(tpu_python: Path, tmp_path: Path)
     assert "verdict: does NOT fit, at least" in text and "more chips" in text
 
 
+def _refused(required: float, available: float) -> plan.Step:
+    stderr = (
+        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        f"required for HLO temporaries ({required}G) exceeds available HBM ({available}G).\n"
+    )
+    refused = plan._OUT_OF_HBM.search(stderr)
+    assert refused is not None and (float(refused["required"]), float(refused["available"])) == (required, available)
+    why = f"the TPU compiler refused it: {refused[0]}"
+    return plan.Step.beyond_hbm(12.9 * GIB, required * GIB, 1.0, why, available * GIB)
+
+
+def test_a_step_refused_below_the_chips_hbm_does_not_fit() -> None:
+    """Gemma-2-9B on v4-8 (32 GiB chips): refused at 31.27 GiB, the compiler having 30.75."""
+    figures = plan.engine_figures(_refused(31.27, 30.75), plan.topology("v4-8"))
+    assert not figures["fits"] and figures["margin"] == pytest.approx(-0.52 * GIB)
+
+
 def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     """The TPU compiler refuses a step beyond the chip's HBM (Gemma-2-9B on v5e-8, at full depth):
     the verdict quotes it, the peak at least the larger of the arguments and its figure."""
-    stderr = (
-        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-        "required for HLO temporaries (19.64G) exceeds available HBM (15.75G).\n"
-    )
-    refused = plan._OUT_OF_HBM.search(stderr)
-    assert refused is not None and float(refused["required"]) == 19.64
-    step = plan.Step.beyond_hbm(12.9 * GIB, 19.64 * GIB, 1.0, f"the TPU compiler refused it: {refused[0]}")
+    step = _refused(19.64, 15.75)
     result: Dict[str, Any] = {**plan.engine_figures(step, plan.topology("v5e-8")), "model": "m"}
     result.update(model_type="gemma2")
     result.update(parameters=9_241_705_984, layers=42, topology="v5e-8", chips=8, hbm=16 * GIB, seq=2048)
@@ -259,7 +270,8 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     assert not result["fits"] and result["peak"] == 19.64 * GIB
     text = plan.format_plan(result)
     assert "not compiled: the TPU compiler refused it: Ran out of memory on HBM" in text
-    assert "verdict: does NOT fit, at least 3.64 GiB over" in text and "per chip, as the TPU compiler" not in text
+    assert "verdict: does NOT fit, at least 3.89 GiB over the 15.75 GiB of HBM the compiler had" in text
+    assert "per chip, as the TPU compiler" not in text
     assert "attention" not in text.splitlines()[3]  # the config's
     result.update(attention="sdpa")  # --attention sdpa
     assert plan.format_plan(result).splitlines()[3].endswith("), with sdpa attention")
