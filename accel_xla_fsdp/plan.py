@@ -25,7 +25,9 @@ verdict. SPMD FSDPv2 holds the same parameters and state per chip, so ``--compar
 traced either. A step that needs more than the chip's HBM in all, the TPU compiler refuses
 ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
 (19.64G) exceeds available HBM (15.75G)": Gemma-2-9B on v5e-8); its verdict quotes the compiler,
-and the peak is at least the larger of the arguments and that figure.
+the peak is at least the larger of the arguments and that figure, and the margin is against the
+HBM the compiler had, which is less than the chip's (30.75 of v4's 32 GiB): a step refused at
+31.27 does not fit.
 
 [Note: torch_xla's SPMD FSDPv2 beside ours]
 ``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
