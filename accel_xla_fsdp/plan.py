@@ -367,8 +367,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     precision, checkpointing, lm_head_in_backward = _launch_settings(args)
     model = str(Path(args.model).resolve())
     attention = args.attention
-    if args.compare == "spmd" and precision == "bf16":
-        # [Note: torch_xla's SPMD FSDPv2 beside ours]: the same attention for both
+    if _eager_for_both(args.compare, precision):
         if attention == "sdpa":
             raise PlanError(
                 "--compare spmd in bf16 traces eager attention (SPMD's autocast refuses sdpa): drop --attention sdpa"
@@ -583,10 +582,15 @@ def _count(n: int) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
 
 
+def _eager_for_both(compare: Optional[str], precision: str) -> bool:
+    """[Note: torch_xla's SPMD FSDPv2 beside ours]: in bf16 both are traced with eager attention."""
+    return compare == "spmd" and precision == "bf16"
+
+
 def _attention_note(r: Dict[str, Any]) -> str:
     if r["attention"] == "the config's":
         return ""
-    if r["compare"] == "spmd" and r["precision"] == "bf16":
+    if _eager_for_both(r["compare"], r["precision"]):
         return ", with eager attention for both: SPMD's bf16 autocast needs it"
     return f", with {r['attention']} attention"
 
