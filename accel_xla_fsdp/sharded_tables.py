@@ -178,6 +178,11 @@ class _LinearFromShard(torch.autograd.Function):
         columns = out.view(x.size(0), -1)
         if columns.size(1) != table.rows:
             columns = columns[:, : table.rows]
+        # A barrier on the logits as [tokens, vocabulary]: without it the TPU compiler fused this
+        # relayout of [tokens, replica, row] (not a bitcast: a replica's rows are not whole tiles)
+        # with the loss's `logits.float()` and kept an f32 copy of the logits through backward
+        # (docs/tpu.md, "v6e").
+        (columns,) = _xla.optimization_barrier_([], read_only=[columns])
         return columns.reshape(*input.shape[:-1], table.rows)
 
     @staticmethod
