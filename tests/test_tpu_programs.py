@@ -13,6 +13,7 @@ missing (``scripts/ensure_tpu_venv.sh``); if it cannot be, the tests fail saying
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -27,6 +28,7 @@ TOPOLOGIES = ("v4-8", "v5e-4")  # 4 chips each: one export serves both
 WORLD = 4
 LAYER, ROOT_PARAMS, LAYERS = 9, 3, 2
 PARAMS = LAYERS * LAYER + ROOT_PARAMS
+TOKENS = 2 * 16  # tpu_programs.py's batch x sequence
 
 # name -> (all-gathers, reduce-scatters). Every layer's parameter is gathered in forward and again
 # in backward (a checkpointed layer's recomputation uses its backward gather), the root's once
@@ -240,6 +242,32 @@ def test_vocabulary_tables_are_never_whole(compiled, topology: str) -> None:
     assert count(_FULL_LM_HEAD_PRODUCT, "vocabulary_sharded") == 0
     assert count(_WHOLE_TABLE_GATHER, "vocabulary_sharded") == 0
     assert count(_WHOLE_TABLE_GATHER, "lm_head_by_autograd") == 2  # the check finds what it looks for
+
+
+def _logits_made(optimized: str, dtype: str, vocabulary: int) -> int:
+    """How many values the size of the logits, in ``dtype``, the compiled step's entry computation
+    makes (its buffers: a fusion's inner values are not; these steps have no loops). lm_head's
+    shard and its gradient's chunks are as many elements, but 128 wide (the hidden size)."""
+    from accel_xla_fsdp.tpu_compiler import _ARRAY, _INSTRUCTION
+
+    entry = optimized[optimized.index("\nENTRY ") :].split("\n}", 1)[0].splitlines()[1:]
+    made = 0
+    for m in filter(None, map(_INSTRUCTION.match, entry)):
+        shapes = [[int(d) for d in a["dims"].split(",") if d] for a in _ARRAY.finditer(m["shape"]) if a["dtype"] == dtype]
+        made += any(math.prod(dims) == TOKENS * vocabulary and dims[-1] != 128 for dims in shapes)
+    return made
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_bf16_logits_are_not_copied_to_f32(compiled, topology: str) -> None:
+    """keep_vocabulary_sharded in bf16, a chip's rows not whole tiles: lm_head's logits are laid out
+    as [tokens, vocabulary] behind a barrier, and the compiler makes no f32 copy of them for the
+    loss's ``logits.float()`` (without the barrier it fused that cast with the relayout of the
+    chunks' [tokens, chip, row] buffer and kept the f32 copy through backward: Llama-3.2-1B on
+    v6e-8, 0.55 GiB of peak, docs/tpu.md)."""
+    optimized = Path(compiled["vocabulary_sharded_bf16", topology]["optimized"]).read_text()
+    assert _logits_made(optimized, "bf16", 16000) > 0  # the check finds what it looks for
+    assert _logits_made(optimized, "f32", 16000) == 0
 
 
 def test_temp_at_peak_counts_a_buffer_updated_in_place_once(tmp_path: Path) -> None:

@@ -62,13 +62,13 @@ def dim0_placeholders() -> FSDP:
     )
 
 
-def dim0_lm_head(**options) -> FSDP:
+def dim0_lm_head(vocab: int = 16384, **options) -> FSDP:
     """dim0's Llama with a vocabulary of 16384: lm_head's gradient is two reduce-scatter chunks on 4
     chips, made and reduced one by one in its backward (``reduce_scatter_in_linear_backward``), or
     by autograd whole (the default); with ``keep_vocabulary_sharded`` lm_head is also gathered in
     those two chunks, and the embedding computed from its rows."""
     with seeded(0):
-        config = LlamaConfig(**{**LLAMA_CONFIG, **WIDE, "vocab_size": 16384}, attn_implementation="eager")
+        config = LlamaConfig(**{**LLAMA_CONFIG, **WIDE, "vocab_size": vocab}, attn_implementation="eager")
         model = LlamaForCausalLM(config)
     return FSDP(model, auto_wrap_policy=transformer_block_policy(), shard_param_on_dim_0=True, **options)
 
@@ -111,6 +111,12 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "lm_head_in_backward": (lambda: dim0_lm_head(reduce_scatter_in_linear_backward=True), 1, "train"),
     "lm_head_by_autograd": (lambda: dim0_lm_head(), 1, "train"),
     "vocabulary_sharded": (lambda: dim0_lm_head(keep_vocabulary_sharded=True), 1, "train"),
+    # 4,000 rows per chip, not whole (16, 128) tiles, as Llama-3's 128,256 on 8 chips
+    "vocabulary_sharded_bf16": (
+        lambda: dim0_lm_head(16000, keep_vocabulary_sharded=True, compute_dtype=torch.bfloat16),
+        1,
+        "train",
+    ),
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }
