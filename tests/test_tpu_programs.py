@@ -253,7 +253,8 @@ def _logits_made(optimized: str, dtype: str, vocabulary: int) -> int:
     entry = optimized[optimized.index("\nENTRY ") :].split("\n}", 1)[0].splitlines()[1:]
     made = 0
     for m in filter(None, map(_INSTRUCTION.match, entry)):
-        shapes = [[int(d) for d in a["dims"].split(",") if d] for a in _ARRAY.finditer(m["shape"]) if a["dtype"] == dtype]
+        arrays = [a for a in _ARRAY.finditer(m["shape"]) if a["dtype"] == dtype]
+        shapes = [[int(d) for d in a["dims"].split(",") if d] for a in arrays]
         made += any(math.prod(dims) == TOKENS * vocabulary and dims[-1] != 128 for dims in shapes)
     return made
 
