@@ -180,8 +180,8 @@ class _LinearFromShard(torch.autograd.Function):
             columns = columns[:, : table.rows]
         # A barrier on the logits as [tokens, vocabulary]: without it the TPU compiler fused this
         # relayout of [tokens, replica, row] (not a bitcast: a replica's rows are not whole tiles)
-        # with the loss's `logits.float()` and kept an f32 copy of the logits through backward
-        # (docs/tpu.md, "v6e").
+        # with the loss's `logits.float()` into an f32 copy of the logits, held until the loss's
+        # backward read it (docs/tpu.md, "v6e").
         (columns,) = _xla.optimization_barrier_([], read_only=[columns])
         return columns.reshape(*input.shape[:-1], table.rows)
 

@@ -264,7 +264,7 @@ def test_bf16_logits_are_not_copied_to_f32(compiled, topology: str) -> None:
     """keep_vocabulary_sharded in bf16, a chip's rows not whole tiles: lm_head's logits are laid out
     as [tokens, vocabulary] behind a barrier, and the compiler makes no f32 copy of them for the
     loss's ``logits.float()`` (without the barrier it fused that cast with the relayout of the
-    chunks' [tokens, chip, row] buffer and kept the f32 copy through backward: Llama-3.2-1B on
+    chunks' [tokens, chip, row] buffer, an f32 copy held to the loss's backward: Llama-3.2-1B on
     v6e-8, 0.55 GiB of peak, docs/tpu.md)."""
     optimized = Path(compiled["vocabulary_sharded_bf16", topology]["optimized"]).read_text()
     assert _logits_made(optimized, "bf16", 16000) > 0  # the check finds what it looks for

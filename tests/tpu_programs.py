@@ -63,10 +63,11 @@ def dim0_placeholders() -> FSDP:
 
 
 def dim0_lm_head(vocab: int = 16384, **options) -> FSDP:
-    """dim0's Llama with a vocabulary of 16384: lm_head's gradient is two reduce-scatter chunks on 4
-    chips, made and reduced one by one in its backward (``reduce_scatter_in_linear_backward``), or
-    by autograd whole (the default); with ``keep_vocabulary_sharded`` lm_head is also gathered in
-    those two chunks, and the embedding computed from its rows."""
+    """dim0's Llama with a vocabulary of ``vocab`` rows. At 16384, lm_head's gradient is two
+    reduce-scatter chunks on 4 chips, made and reduced one by one in its backward
+    (``reduce_scatter_in_linear_backward``), or by autograd whole (the default); with
+    ``keep_vocabulary_sharded`` lm_head is also gathered in those two chunks, and the embedding
+    computed from its rows."""
     with seeded(0):
         config = LlamaConfig(**{**LLAMA_CONFIG, **WIDE, "vocab_size": vocab}, attn_implementation="eager")
         model = LlamaForCausalLM(config)
