@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -140,14 +140,18 @@ def test_step_donates_parameters_and_optimizer_state(compiled, topology: str) ->
     assert "alias" not in compiled["eval", topology] or compiled["eval", topology]["alias"] == 0
 
 
+def _entry(optimized: str) -> List[str]:
+    """The lines of the compiled step's entry computation, in the order of its schedule."""
+    return optimized[optimized.index("\nENTRY ") :].split("\n}", 1)[0].splitlines()[1:]
+
+
 def _first_update_and_last_reduce_scatter(optimized: str) -> Tuple[int, int]:
     """In the compiled step's schedule (the entry computation's order): where the first new
     parameter or AdamW moment is made (the step's outputs that are not scalars: the loss and
     AdamW's step counts are), and where the last reduce-scatter is."""
     from accel_xla_fsdp.tpu_compiler import _ARRAY, _INSTRUCTION, _KINDS
 
-    entry = optimized[optimized.index("\nENTRY ") :].splitlines()[1:]
-    made = {m["name"]: (i, m) for i, m in enumerate(map(_INSTRUCTION.match, entry)) if m}
+    made = {m["name"]: (i, m) for i, m in enumerate(map(_INSTRUCTION.match, _entry(optimized))) if m}
     last_reduce = max(i for i, m in made.values() if _KINDS.get(m["opcode"]) == "reduce-scatter")
     root = next(m for _, m in made.values() if m.string.lstrip().startswith("ROOT"))
 
@@ -250,9 +254,8 @@ def _logits_made(optimized: str, dtype: str, vocabulary: int) -> int:
     shard and its gradient's chunks are as many elements, but 128 wide (the hidden size)."""
     from accel_xla_fsdp.tpu_compiler import _ARRAY, _INSTRUCTION
 
-    entry = optimized[optimized.index("\nENTRY ") :].split("\n}", 1)[0].splitlines()[1:]
     made = 0
-    for m in filter(None, map(_INSTRUCTION.match, entry)):
+    for m in filter(None, map(_INSTRUCTION.match, _entry(optimized))):
         arrays = [a for a in _ARRAY.finditer(m["shape"]) if a["dtype"] == dtype]
         shapes = [[int(d) for d in a["dims"].split(",") if d] for a in arrays]
         made += any(math.prod(dims) == TOKENS * vocabulary and dims[-1] != 128 for dims in shapes)
