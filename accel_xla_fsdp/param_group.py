@@ -277,30 +277,37 @@ class ShardedParamGroup:
         Each chunk's columns pass an optimization barrier with the chunk before's gradient: without
         it the TPU compiler merged the chunks' products back into one full gradient (docs/tpu.md).
         """
-        columns = self.columns_by_replica(grad_output)
         reduced: List[torch.Tensor] = []
         previous: Optional[torch.Tensor] = None
         for start, stop in _xla.reduce_scatter_row_chunks(self.shard.size(0), input.size(1)):
-            part = columns[:, :, start:stop]
+            part = self.chunk_columns(grad_output, start, stop)
             if previous is not None:
                 (part,) = _xla.optimization_barrier_([previous], read_only=[part])
             previous = self.weight_grad_chunk(part, input)
             reduced.append(self.reduce_scatter(previous, 1.0 / self.sharding.world_size))
         return reduced[0] if len(reduced) == 1 else torch.cat(reduced)
 
-    def columns_by_replica(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """``grad_output`` (2-D, a column per row of this group's weight) with the padding rows'
-        columns (zero) added, as [tokens, replicas, rows of a part]: rows [start, stop) of every
-        replica's part, one chunk of the reduce-scatter, are ``[:, :, start:stop]``."""
-        world, rows = self.sharding.world_size, self.shard.size(0)
-        missing = world * rows - grad_output.size(1)
-        if missing:
-            grad_output = F.pad(grad_output, [0, missing])
-        return grad_output.view(-1, world, rows)
+    def chunk_columns(self, grad_output: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The columns of ``grad_output`` (2-D, a column per row of this group's weight) for rows
+        [start, stop) of every replica's part, one chunk of the reduce-scatter, as [tokens,
+        replicas, stop - start]; the padding rows' columns are zero.
+
+        Taken a replica's slice at a time: viewing the whole of ``grad_output`` as [tokens,
+        replicas, rows of a part] is a second copy of it on a TPU when a part's rows are not whole
+        128-wide tiles (Llama-3's 128,256 rows on 8 chips are 16,032 a part; docs/tpu.md, "v6e")."""
+        rows, total = self.shard.size(0), grad_output.size(1)
+        parts = []
+        for replica in range(self.sharding.world_size):
+            first, last = min(replica * rows + start, total), min(replica * rows + stop, total)
+            part = grad_output[:, first:last]
+            if last - first < stop - start:
+                part = F.pad(part, [0, stop - start - (last - first)])
+            parts.append(part)
+        return torch.stack(parts, dim=1)
 
     def weight_grad_chunk(self, columns: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """One chunk of the weight's gradient as every replica's part holds it: ``columns`` (a chunk
-        of ``columns_by_replica``) times ``input``, as rows, in the reduce dtype."""
+        of ``chunk_columns``) times ``input``, as rows, in the reduce dtype."""
         full = torch.einsum("str,sw->trw", columns, input).reshape(-1, input.size(1))
         return _in_dtype(full, self.options.reduce_dtype)
 

@@ -168,20 +168,24 @@ class _LinearFromShard(torch.autograd.Function):
         weight, world = table.weight(shard), table.world
         ctx.save_for_backward(x, shard)
         ctx.table, ctx.input_shape = table, input.shape
-        out = x.new_empty(x.size(0), world, shard.size(0))  # columns as [replica, row of its part]
+        part_rows = shard.size(0)
+        # The logits as [tokens, vocabulary], each chunk's columns written in place: built as
+        # [tokens, replica, row of its part] they were a second copy on a TPU, where a part's rows
+        # are not whole 128-wide tiles (docs/tpu.md, "v6e").
+        columns = x.new_empty(x.size(0), table.rows)
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
             (part,) = _after(previous, [weight[start:stop]])
-            product = torch._C._nn.linear(x, table.all_gather(part))
-            out[:, :, start:stop] = product.view(x.size(0), world, stop - start)
-            previous = [out]
-        columns = out.view(x.size(0), -1)
-        if columns.size(1) != table.rows:
-            columns = columns[:, : table.rows]
-        # A barrier on the logits as [tokens, vocabulary]: without it the TPU compiler fused this
-        # relayout of [tokens, replica, row] (not a bitcast: a replica's rows are not whole tiles)
-        # with the loss's `logits.float()` into an f32 copy of the logits, held until the loss's
-        # backward read it (docs/tpu.md, "v6e").
+            product = torch._C._nn.linear(x, table.all_gather(part)).view(x.size(0), world, stop - start)
+            for replica in range(world):
+                first = replica * part_rows + start
+                last = min(first + stop - start, table.rows)
+                if first < last:
+                    columns[:, first:last] = product[:, replica, : last - first]
+            previous = [columns]
+        # A barrier on the logits: without it the TPU compiler fused their making with the loss's
+        # `logits.float()` into an f32 copy of the logits, held until the loss's backward read it
+        # (docs/tpu.md, "v6e").
         (columns,) = _xla.optimization_barrier_([], read_only=[columns])
         return columns.reshape(*input.shape[:-1], table.rows)
 
@@ -190,12 +194,12 @@ class _LinearFromShard(torch.autograd.Function):
         x, shard = ctx.saved_tensors
         table: ShardedTable = ctx.table
         weight = table.weight(shard)
-        columns = table.group.columns_by_replica(grad.reshape(-1, grad.size(-1)))
+        grad = grad.reshape(-1, grad.size(-1))
         grad_input: Optional[torch.Tensor] = None  # in f32: the sum of the chunks' products
         reduced: List[torch.Tensor] = []
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
-            part, g = _after(previous, [weight[start:stop], columns[:, :, start:stop]])
+            part, g = _after(previous, [weight[start:stop], table.group.chunk_columns(grad, start, stop)])
             previous = []
             if ctx.needs_input_grad[0]:
                 partial = g.reshape(g.size(0), -1).mm(table.all_gather(part)).float()
