@@ -295,15 +295,22 @@ class ShardedParamGroup:
         Taken a replica's slice at a time: viewing the whole of ``grad_output`` as [tokens,
         replicas, rows of a part] is a second copy of it on a TPU when a part's rows are not whole
         128-wide tiles (Llama-3's 128,256 rows on 8 chips are 16,032 a part; docs/tpu.md, "v6e")."""
-        rows, total = self.shard.size(0), grad_output.size(1)
         parts = []
-        for replica in range(self.sharding.world_size):
-            first, last = min(replica * rows + start, total), min(replica * rows + stop, total)
+        for first, last in self.chunk_column_spans(start, stop, grad_output.size(1)):
             part = grad_output[:, first:last]
             if last - first < stop - start:
                 part = F.pad(part, [0, stop - start - (last - first)])
             parts.append(part)
         return torch.stack(parts, dim=1)
+
+    def chunk_column_spans(self, start: int, stop: int, columns: int) -> List[Tuple[int, int]]:
+        """For each replica, the columns ``[first, last)`` that rows [start, stop) of its part are
+        among ``columns`` (the weight's rows without the padding; an empty span for padding)."""
+        rows = self.shard.size(0)
+        return [
+            (min(replica * rows + start, columns), min(replica * rows + stop, columns))
+            for replica in range(self.sharding.world_size)
+        ]
 
     def weight_grad_chunk(self, columns: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """One chunk of the weight's gradient as every replica's part holds it: ``columns`` (a chunk

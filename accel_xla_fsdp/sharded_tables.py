@@ -168,7 +168,6 @@ class _LinearFromShard(torch.autograd.Function):
         weight, world = table.weight(shard), table.world
         ctx.save_for_backward(x, shard)
         ctx.table, ctx.input_shape = table, input.shape
-        part_rows = shard.size(0)
         # The logits as [tokens, vocabulary], each chunk's columns written in place: built as
         # [tokens, replica, row of its part] they were a second copy on a TPU, where a part's rows
         # are not whole 128-wide tiles (docs/tpu.md, "v6e").
@@ -177,9 +176,7 @@ class _LinearFromShard(torch.autograd.Function):
         for start, stop in _chunks(table, x.size(1)):
             (part,) = _after(previous, [weight[start:stop]])
             product = torch._C._nn.linear(x, table.all_gather(part)).view(x.size(0), world, stop - start)
-            for replica in range(world):
-                first = replica * part_rows + start
-                last = min(first + stop - start, table.rows)
+            for replica, (first, last) in enumerate(table.group.chunk_column_spans(start, stop, table.rows)):
                 if first < last:
                     columns[:, first:last] = product[:, replica, : last - first]
             previous = [columns]
