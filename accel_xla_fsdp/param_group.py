@@ -274,16 +274,16 @@ class ShardedParamGroup:
         (``_xla.reduce_scatter_row_chunks``): the full gradient is never whole. Call under
         ``torch.no_grad()``.
 
-        Each chunk's columns pass an optimization barrier with the chunk before's gradient: without
-        it the TPU compiler merged the chunks' products back into one full gradient (docs/tpu.md).
+        ``grad_output`` passes an optimization barrier with the chunk before's gradient, and each
+        chunk's columns are taken after it: without the barrier the TPU compiler merged the chunks'
+        products back into one full gradient (docs/tpu.md).
         """
         reduced: List[torch.Tensor] = []
         previous: Optional[torch.Tensor] = None
         for start, stop in _xla.reduce_scatter_row_chunks(self.shard.size(0), input.size(1)):
-            part = self.chunk_columns(grad_output, start, stop)
-            if previous is not None:
-                (part,) = _xla.optimization_barrier_([previous], read_only=[part])
-            previous = self.weight_grad_chunk(part, input)
+            if previous is not None:  # the columns taken after the barrier, as in sharded_tables.py
+                (grad_output,) = _xla.optimization_barrier_([previous], read_only=[grad_output])
+            previous = self.weight_grad_chunk(self.chunk_columns(grad_output, start, stop), input)
             reduced.append(self.reduce_scatter(previous, 1.0 / self.sharding.world_size))
         return reduced[0] if len(reduced) == 1 else torch.cat(reduced)
 

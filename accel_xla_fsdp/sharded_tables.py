@@ -196,7 +196,11 @@ class _LinearFromShard(torch.autograd.Function):
         reduced: List[torch.Tensor] = []
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
-            part, g = _after(previous, [weight[start:stop], table.group.chunk_columns(grad, start, stop)])
+            # The gradient passes the barrier whole and the chunk's columns are taken after it:
+            # taken before, the TPU compiler took every chunk's columns as soon as the gradient was
+            # made and held them all, a second copy of the logits' gradient (docs/tpu.md, "v5p").
+            part, grad = _after(previous, [weight[start:stop], grad])
+            g = table.group.chunk_columns(grad, start, stop)
             previous = []
             if ctx.needs_input_grad[0]:
                 partial = g.reshape(g.size(0), -1).mm(table.all_gather(part)).float()
