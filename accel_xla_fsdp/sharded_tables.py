@@ -198,7 +198,7 @@ class _LinearFromShard(torch.autograd.Function):
         for start, stop in _chunks(table, x.size(1)):
             # The gradient passes the barrier whole and the chunk's columns are taken after it:
             # taken before, the TPU compiler took every chunk's columns as soon as the gradient was
-            # made and held them all, a second copy of the logits' gradient (docs/tpu.md, "v5p").
+            # made and held them all, a second copy of it (docs/tpu.md, "The logits' gradient").
             part, grad = _after(previous, [weight[start:stop], grad])
             g = table.group.chunk_columns(grad, start, stop)
             previous = []
