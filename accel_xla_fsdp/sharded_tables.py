@@ -193,7 +193,11 @@ class _LinearFromShard(torch.autograd.Function):
         weight = table.weight(shard)
         grad = grad.reshape(-1, grad.size(-1))
         grad_input: Optional[torch.Tensor] = None  # in f32: the sum of the chunks' products
-        reduced: List[torch.Tensor] = []
+        # The weight's gradient shard, each chunk's reduced rows written in place as they arrive:
+        # made as torch.cat of the chunks, the TPU compiler held every chunk apart until it built
+        # the shard late in backward (+246 MB temp for Llama-3.1-8B's dimensions on v5p-8;
+        # docs/tpu.md, "lm_head's gradient shard written in place").
+        grad_shard: Optional[torch.Tensor] = None
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
             # The gradient passes the barrier whole and the chunk's columns are taken after it:
@@ -207,11 +211,11 @@ class _LinearFromShard(torch.autograd.Function):
                 grad_input = partial if grad_input is None else grad_input + partial
                 previous.append(grad_input)
             if ctx.needs_input_grad[1]:
-                reduced.append(table.group.reduce_scatter(table.group.weight_grad_chunk(g, x), 1.0 / table.world))
-                previous.append(reduced[-1])
-        grad_shard = None
-        if reduced:
-            grad_shard = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
+                reduced = table.group.reduce_scatter(table.group.weight_grad_chunk(g, x), 1.0 / table.world)
+                if grad_shard is None:
+                    grad_shard = reduced.new_zeros(shard.size(0), reduced.size(1))
+                grad_shard[start:stop] = reduced
+                previous.append(grad_shard)
         if grad_input is not None:
             grad_input = grad_input.to(x.dtype).view(ctx.input_shape)
         return grad_input, grad_shard, None
