@@ -305,6 +305,21 @@ def test_lm_head_takes_each_gradient_chunk_after_the_chunk_before(compiled, topo
     assert [m["name"] for m in made if 'op_name="opt-barrier' in m["rest"]] == []
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_lm_head_gradient_shard_is_written_in_place(compiled, topology: str) -> None:
+    """keep_vocabulary_sharded, bf16: lm_head's backward writes each chunk's reduced rows into one
+    gradient shard (bf16[4000,128]: 16,000 rows over 4 chips) as they arrive, a slice assignment
+    (traced as a select). Made as torch.cat of the chunks, the compiler held every chunk apart
+    until it built the shard late (Llama-3.1-8B's dimensions, 2 layers, v5p-8: 1,999.9 against
+    1,754.4 MB of temp, docs/tpu.md); here it then made no shard at all, the chunks going to
+    AdamW's update as they were."""
+    from accel_xla_fsdp.tpu_compiler import _INSTRUCTION
+
+    optimized = Path(compiled["vocabulary_sharded_bf16", topology]["optimized"]).read_text()
+    shards = [m for m in map(_INSTRUCTION.match, _entry(optimized)) if m and m["shape"].startswith("bf16[4000,128]")]
+    assert [m["name"] for m in shards if 'op_name="select.' in m["rest"]], [m["name"] for m in shards]
+
+
 def test_temp_at_peak_counts_a_buffer_updated_in_place_once(tmp_path: Path) -> None:
     """A value updated in place (``b`` from ``a``: torch_xla's slice assignment) ends and starts at
     the same step and offset: one buffer there, listed as the newer value; other memory spaces
