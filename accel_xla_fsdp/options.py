@@ -188,7 +188,7 @@ class FsdpOptions:
         "them (all-gathers the tokens' gradient rows in backward), lm_head gathers its rows a chunk "
         "at a time in forward and again in backward (sharded_tables.py). Their gradients arrive "
         "reduced, also under no_sync. Off in the engine. Accelerate's default (None): on a TPU "
-        "with dim-0 shards, where the compiler plans less with it in every step measured: on v5e-8, "
+        "with dim-0 shards, where the compiler plans less with it in every step re-run: on v5e-8, "
         "checkpointed, at 835d897, Llama-3.2-1B (lm_head tied to the embedding) in bf16 2.52 "
         "against 3.68 GiB per chip (SPMD FSDPv2: 3.13), Qwen2.5-7B 8.35 against 8.87 (9.51), "
         "Llama-3.1-8B 9.70 against 9.98 (12.34) and in fp32 11.12 against 13.73 (13.26); issue "
