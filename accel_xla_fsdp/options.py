@@ -192,7 +192,7 @@ class FsdpOptions:
         "checkpointed, at 835d897, Llama-3.2-1B (lm_head tied to the embedding) in bf16 2.52 "
         "against 3.68 GiB per chip (SPMD FSDPv2: 3.13), Qwen2.5-7B 8.35 against 8.87 (9.51), "
         "Llama-3.1-8B 9.70 against 9.98 (12.34) and in fp32 11.12 against 13.73 (13.26); issue "
-        "25's 4-layer Llama 325.1 against 493.1 MB (docs/tpu.md); elsewhere off.",
+        "25's 4-layer Llama, not checkpointed, 325.6 MB (358.9) (docs/tpu.md); elsewhere off.",
         accelerate_default=None,
     )
 

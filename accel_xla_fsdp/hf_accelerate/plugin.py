@@ -284,10 +284,8 @@ class XlaFsdpPlugin:
             self.flatten_parameters = not self.shard_param_on_dim_0 and not on_tpu
         if self.keep_vocabulary_sharded is None:
             # On a TPU with dim-0 shards, the embedding and lm_head computed from their shards: the
-            # compiler plans real models' steps in less memory (on v5e-8, at 835d897: Llama-3.2-1B,
-            # whose lm_head is its embedding, 2.52 against 3.68 GiB per chip; Qwen2.5-7B 8.35
-            # against 8.87; Llama-3.1-8B 9.70 against 9.98, 11.12 against 13.73 in fp32), and they
-            # move less (docs/tpu.md).
+            # compiler plans real models' steps in less memory, and they move less (the figures
+            # are in the option's help, FsdpOptions.keep_vocabulary_sharded; docs/tpu.md).
             self.keep_vocabulary_sharded = on_tpu and bool(self.shard_param_on_dim_0)
         self._check_consistent()
 
