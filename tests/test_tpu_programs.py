@@ -311,8 +311,8 @@ def test_lm_head_gradient_shard_is_written_in_place(compiled, topology: str) -> 
     gradient shard (bf16[4000,128]: 16,000 rows over 4 chips) as they arrive, a slice assignment
     (traced as a select). Made as torch.cat of the chunks, the compiler held every chunk apart
     until it built the shard late (Llama-3.1-8B's dimensions, 2 layers, v5p-8: 1,999.9 against
-    1,754.4 MB of temp, docs/tpu.md); here it then made no shard at all, the chunks going to
-    AdamW's update as they were."""
+    1,754.4 MB of temp, docs/tpu.md). This test's program, made so (at a6839f3), had no shard at
+    all, the chunks going to AdamW's update as they were; now it has the writes."""
     from accel_xla_fsdp.tpu_compiler import _INSTRUCTION
 
     optimized = Path(compiled["vocabulary_sharded_bf16", topology]["optimized"]).read_text()
