@@ -168,9 +168,11 @@ class _LinearFromShard(torch.autograd.Function):
         weight, world = table.weight(shard), table.world
         ctx.save_for_backward(x, shard)
         ctx.table, ctx.input_shape = table, input.shape
-        # The logits as [tokens, vocabulary], each chunk's columns written in place: built as
+        # The logits as [tokens, vocabulary], each chunk's columns assigned into them: built as
         # [tokens, replica, row of its part] they were a second copy on a TPU, where a part's rows
-        # are not whole 128-wide tiles (docs/tpu.md, "v6e").
+        # are not whole 128-wide tiles (docs/tpu.md, "v6e"). torch_xla traces the assignment as a
+        # pad and a select, not in place; index_copy_ or a dynamic-update-slice, which are, planned
+        # more for Llama-3.1-8B (docs/tpu.md, "The logits written in place").
         columns = x.new_empty(x.size(0), table.rows)
         previous: List[torch.Tensor] = []
         for start, stop in _chunks(table, x.size(1)):
