@@ -84,8 +84,8 @@ class GradBucket:
 
     def take_reduced(self, group: ShardedParamGroup, reduced: torch.Tensor, barrier: bool) -> List[torch.Tensor]:
         """Take ``group`` with its gradient already reduced (``reduced``, this replica's shard of it,
-        ``ShardedParamGroup.reduce_linear_weight_grad``) into its ``shard.grad``; returns it in the
-        reduce dtype."""
+        ``ShardedParamGroup.reduce_linear_weight_grad``) into its ``shard.grad``; returns it as it passed the
+        barrier (``ShardedParamGroup.add_reduced_grad``)."""
         self.groups_taken += 1
         return [group.add_reduced_grad(reduced, barrier)]
 
@@ -96,7 +96,7 @@ class GradBucket:
 
     def flush(self, barrier: bool) -> List[torch.Tensor]:
         """Reduce-scatter the bucket (mean over the sharding group) into its groups' ``shard.grad``;
-        returns the reduced gradient shards, in the reduce dtype. Call under ``torch.no_grad()``."""
+        returns the reduced gradient shards as they passed the barrier. Call under ``torch.no_grad()``."""
         if not self._groups:
             return []
         groups, grads = self._groups, self._grads

@@ -327,13 +327,15 @@ class ShardedParamGroup:
 
     def add_reduced_grad(self, reduced: torch.Tensor, barrier: bool) -> torch.Tensor:
         """Accumulate this replica's reduced shard of the gradient (in the reduce dtype) into
-        ``shard.grad`` (in the shard's); returns it in the reduce dtype (for barriers). Call under
-        ``torch.no_grad()``."""
-        # The barrier takes the gradient in the reduce dtype and the cast to the shard's comes
-        # after it, so the TPU compiler casts where the optimizer reads it. Cast before the
-        # barrier, a bf16 step of f32 shards held every finished gradient in f32, twice the bytes,
-        # until its update (issue 25's Llama, checkpointed, v5e-8: 223.6 MB per chip, 220.1 now;
-        # docs/tpu.md, "Gradients held in the reduce dtype").
+        ``shard.grad`` (in the shard's); returns it in the narrower of the two dtypes, as it
+        passed the barrier. Call under ``torch.no_grad()``."""
+        # The barrier takes the gradient in the narrower dtype, and a cast to a wider one comes
+        # after it: the TPU compiler makes the value the barrier holds there and keeps it until
+        # the optimizer reads it. Cast to f32 before the barrier, a bf16 step of f32 shards held
+        # every finished gradient in f32, twice the bytes (issue 25's Llama, checkpointed, v5e-8:
+        # 223.6 MB per chip, 220.1 now; docs/tpu.md, "Gradients held in the narrower dtype").
+        if reduced.element_size() > self.shard.element_size():
+            reduced = reduced.to(self.shard.dtype)
         if barrier:
             _xla.optimization_barrier_([reduced])
         grad = _in_dtype(reduced, self.shard.dtype)
