@@ -179,27 +179,32 @@ def test_updates_need_not_wait_for_the_last_gradient(compiled, name: str) -> Non
     assert first_update < last_reduce
 
 
-def _f32_casts_passing_barriers(program: str) -> int:
-    """How many operands of the traced step's optimization barriers are f32 casts of bf16 values."""
+def _casts_passing_barriers(program: str, to: str, source: str) -> int:
+    """How many operands of the traced step's optimization barriers are casts to ``to`` (an HLO
+    dtype: f32, bf16) of ``source`` values."""
     defined = {m[1]: line for line in program.splitlines() if (m := re.match(r"\s*(?:ROOT )?%(\S+) = ", line))}
+    cast = re.compile(rf"= {to}\[[0-9,]*\]\S* convert\({source}\[")
     casts = 0
     for line in defined.values():
         if " opt-barrier(" in line:
             held = defined[re.findall(r"%([\w.\-]+)", line.split(" opt-barrier(")[1])[-1]]
             operands = re.findall(r"%([\w.\-]+)", held.split(" tuple(")[1])
-            casts += sum(bool(re.search(r"= f32\[[0-9,]*\]\S* convert\(bf16\[", defined[o])) for o in operands)
+            casts += sum(bool(cast.search(defined[o])) for o in operands)
     return casts
 
 
-def test_bf16_gradients_pass_barriers_in_bf16(compiled) -> None:
-    """bf16 compute, f32 shards: each reduced gradient passes its barrier in the reduce dtype and is
-    cast to the shard's dtype after it, so the compiler casts it where AdamW reads it. Cast before
-    the barrier (each of the 21 gradients, until this session), every finished gradient was held in
-    f32 until its update (issue 25's Llama, bf16, checkpointed, v5e-8: 223.6 against 220.1 MB per
-    chip, docs/tpu.md). The traced program, so one topology's report serves."""
-    program = Path(compiled["bf16", TOPOLOGIES[0]]["program"]).read_text()
-    assert " opt-barrier(" in program  # the check finds what it looks for
-    assert _f32_casts_passing_barriers(program) == 0
+def test_gradients_pass_barriers_in_the_narrower_dtype(compiled) -> None:
+    """Each reduced gradient passes its barrier in the narrower of the reduce and shard dtypes and
+    is cast to a wider one after it, so the compiler holds the narrower value until AdamW reads it.
+    bf16 compute over f32 shards: in bf16, cast to f32 after the barrier (cast before it, each of
+    the 21 gradients until 894a0a5, every finished gradient was held in f32: issue 25's Llama, bf16,
+    checkpointed, v5e-8, 223.6 against 220.1 MB per chip, docs/tpu.md). bf16 shards reduced in
+    f32: cast to bf16 before it. The traced programs, so one topology's report serves."""
+    bf16 = Path(compiled["bf16", TOPOLOGIES[0]]["program"]).read_text()
+    assert " opt-barrier(" in bf16  # the check finds what it looks for
+    assert _casts_passing_barriers(bf16, "f32", "bf16") == 0
+    f32_reduce = Path(compiled["bf16_shards_f32_reduce", TOPOLOGIES[0]]["program"]).read_text()
+    assert _casts_passing_barriers(f32_reduce, "bf16", "f32") >= PARAMS
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -105,6 +105,17 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "flat": (lambda: per_layer(flatten_parameters=True), 1, "train"),
     "nested": (nested, 1, "train"),
     "bf16": (lambda: per_layer(compute_dtype=torch.bfloat16), 1, "train"),
+    # bf16 shards, gradients reduce-scattered in f32 (torch_xla's fp32_reduce_scatter)
+    "bf16_shards_f32_reduce": (
+        lambda: FSDP(
+            llama().to(torch.bfloat16),
+            auto_wrap_policy=transformer_block_policy(),
+            compute_dtype=torch.bfloat16,
+            fp32_reduce_scatter=True,
+        ),
+        1,
+        "train",
+    ),
     "checkpointed": (checkpointed, 1, "train"),
     "frozen": (frozen_embedding, 1, "train"),
     "dim0": (dim0, 1, "train"),
