@@ -36,7 +36,10 @@ device per chip, partitioned by the TPU compiler. Its traffic is set against the
 as ours (the same parameters gathered and reduced). Its bf16 is ``torch.autocast``, which leaves
 sdpa out: the query and key come out of the rotary embedding in f32, the value in bf16, and sdpa
 refuses the mix. So with bf16 both engines are traced with eager attention (which autocasts its
-matmuls, and materializes the attention's probabilities), and the output says so.
+matmuls, and materializes the attention's probabilities), and the output says so. SPMD computes
+in its parameters' dtype unless autocast: with fp32 and a config in another dtype (bf16 for most
+models), it would compute in bf16 where ours computes in f32, a smaller step. So with fp32 both
+engines' parameters (and AdamW state) are made f32, and the output says so.
 
 Each trace is a process of its own (``python -m accel_xla_fsdp.plan SPEC.json``): the XLA:CPU
 runtime with one device, a fresh model; each compile too, in the compiler's venv.
@@ -177,6 +180,7 @@ def trace(spec: Dict[str, Any]) -> Dict[str, float]:
     """Trace and export the step ``spec`` describes (``_trace_spec``); returns its FSDP
     communication floor (SPMD: 0, set to ours' by ``plan``: the same parameters) and, for ours,
     the bytes of its arguments per chip."""
+    import torch
     from transformers import AutoConfig
 
     from . import _xla
@@ -187,6 +191,8 @@ def trace(spec: Dict[str, Any]) -> Dict[str, float]:
     config = for_training(AutoConfig.from_pretrained(spec["model"]))
     if spec["attention"]:
         config._attn_implementation = spec["attention"]
+    if spec["parameter_dtype"]:
+        config.dtype = getattr(torch, spec["parameter_dtype"])
     if spec["engine"] == "spmd":
         _trace_spmd(spec, config, program_path(spec))
         return {"floor": 0.0}
@@ -291,6 +297,7 @@ class Request:
     checkpointing: bool
     config_file: Optional[str]
     attention: Optional[str]  # the attention implementation, when not the config's
+    parameter_dtype: Optional[str] = None  # the parameters' dtype ("float32"), when not the config's
 
 
 def _trace_spec(request: Request, engine: str, workdir: Path) -> Dict[str, Any]:
@@ -304,6 +311,7 @@ def _trace_spec(request: Request, engine: str, workdir: Path) -> Dict[str, Any]:
         "checkpointing": request.checkpointing,
         "config_file": request.config_file,
         "attention": request.attention,
+        "parameter_dtype": request.parameter_dtype,
         "workdir": str(workdir),
     }
 
@@ -373,8 +381,12 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                 "--compare spmd in bf16 traces eager attention (SPMD's autocast refuses sdpa): drop --attention sdpa"
             )
         attention = "eager"
-    request = Request(model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention)
-    parameters, parameter_dtype = parameter_count(config)
+    parameters, config_dtype = parameter_count(config)
+    upcast = _f32_for_both(args.compare, precision, config_dtype)
+    parameter_dtype = upcast or str(config_dtype).removeprefix("torch.")
+    request = Request(
+        model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention, upcast
+    )
     engines = ["ours", *([args.compare] if args.compare else [])]
     steps: Dict[str, Step] = {}
     kept_sharded = False
@@ -416,7 +428,8 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "lm_head_gradient_in_backward": lm_head_in_backward,
         "vocabulary_kept_sharded": kept_sharded,
-        "parameter_dtype": str(parameter_dtype).removeprefix("torch."),
+        "parameter_dtype": parameter_dtype,
+        "config_dtype": str(config_dtype).removeprefix("torch."),
         "attention": attention or "the config's",
         "compare": args.compare,
         **engine_figures(steps["ours"], the_slice),
@@ -516,6 +529,11 @@ def format_plan(r: Dict[str, Any]) -> str:
         return "" if len(engines) == 1 else f"{label}: "
 
     state = f"parameters and AdamW state in {r['parameter_dtype']}, the config's dtype"
+    if r["parameter_dtype"] != r["config_dtype"]:
+        state = (
+            f"parameters and AdamW state in {r['parameter_dtype']} for both, not the config's {r['config_dtype']}: "
+            "SPMD computes in its parameters' dtype"
+        )
     precision = f"{'bf16' if r['precision'] == 'bf16' else 'fp32'} compute, {state}"
     depth = f"{r['layers']} decoder layers"
     lines = [
@@ -585,6 +603,14 @@ def _count(n: int) -> str:
 def _eager_for_both(compare: Optional[str], precision: str) -> bool:
     """[Note: torch_xla's SPMD FSDPv2 beside ours]: in bf16 both are traced with eager attention."""
     return compare == "spmd" and precision == "bf16"
+
+
+def _f32_for_both(compare: Optional[str], precision: str, config_dtype: Any) -> Optional[str]:
+    """[Note: torch_xla's SPMD FSDPv2 beside ours]: "float32" when fp32 beside SPMD needs both
+    engines' parameters made f32, else None."""
+    import torch
+
+    return "float32" if compare == "spmd" and precision == "fp32" and config_dtype != torch.float32 else None
 
 
 def _attention_note(r: Dict[str, Any]) -> str:

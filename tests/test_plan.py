@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+import torch
 from test_tpu_programs import tpu_python  # noqa: F401  (the fixture)
 from transformers import CLIPTextConfig, LlamaConfig
 
@@ -159,6 +161,43 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
 
 
+def _parameter_types(program: Path) -> List[str]:
+    """The element types of the exported program's parameters (its entry computation's layout)."""
+    header = program.read_text().split("\n", 1)[0]
+    parameters = header.split("entry_computation_layout={(", 1)[1].split(")->", 1)[0]
+    return re.findall(r"\b([a-z]+[0-9]+)\[", parameters)
+
+
+def test_fp32_beside_spmd_makes_both_engines_parameters_f32(tiny: Path, monkeypatch) -> None:
+    """SPMD computes in its parameters' dtype: with fp32 and a bf16 config (most models), both
+    engines' parameters and AdamW state are made f32, or SPMD's step would compute in bf16 where
+    ours computes in f32. Traced for real; the compiler is replaced by a stub that reads each
+    program's parameter types."""
+    config = LlamaConfig.from_pretrained(tiny)
+    config.dtype = "bfloat16"
+    config.save_pretrained(tiny)
+    types: Dict[bool, List[str]] = {}
+
+    def compile_stub(python: Path, program: Path, request: plan.Request, spmd: bool) -> Dict[str, Any]:
+        types[spmd] = _parameter_types(program)
+        figures = {k: 1.0 for k in plan.FIGURES[:-1]}
+        return {**figures, "collectives": {}}
+
+    monkeypatch.setattr(plan, "run_compile", compile_stub)
+    monkeypatch.setenv(plan.TPU_PYTHON_ENV, sys.executable)  # any Python: nothing is compiled
+    argv = ["plan", str(tiny), "--topology", "v5e-4", "--seq", "64", "--precision", "fp32", "--compare", "spmd"]
+    result = plan.plan(cli.build_parser().parse_args(argv))
+    assert (result["parameter_dtype"], result["config_dtype"]) == ("float32", "bfloat16")
+    for spmd in (False, True):  # no bf16 parameter left in either program (the batch is s64)
+        assert "f32" in types[spmd] and "bf16" not in types[spmd], (spmd, types[spmd])
+    state = "parameters and AdamW state in float32 for both, not the config's bfloat16"
+    assert state in plan.format_plan(result).splitlines()[2]
+    # bf16 beside SPMD, and fp32 alone, keep the config's dtype: the same step for both as it is
+    assert plan._f32_for_both("spmd", "bf16", torch.bfloat16) is None
+    assert plan._f32_for_both(None, "fp32", torch.bfloat16) is None
+    assert plan._f32_for_both("spmd", "fp32", torch.float32) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiled for v5e
 
@@ -266,7 +305,13 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     result.update(model_type="gemma2")
     result.update(parameters=9_241_705_984, layers=42, topology="v5e-8", chips=8, hbm=16 * GIB, seq=2048)
     result.update(batch_per_chip=1, precision="bf16", gradient_checkpointing=True, config_file=None, compare=None)
-    result.update(parameter_dtype="float32", attention="the config's", hints=[], vocabulary_kept_sharded=False)
+    result.update(
+        parameter_dtype="float32",
+        config_dtype="float32",
+        attention="the config's",
+        hints=[],
+        vocabulary_kept_sharded=False,
+    )
     assert not result["fits"] and result["peak"] == 19.64 * GIB
     text = plan.format_plan(result)
     assert "not compiled: the TPU compiler refused it: Ran out of memory on HBM" in text
