@@ -177,6 +177,11 @@ def compile_program(
     compiler partitions (``num_partitions`` = the chips; GSPMD, as torch_xla's HLO carries GSPMD
     sharding annotations, not Shardy's). ``dump_to``: a directory for the compiler's dumps (the
     optimized HLO and its buffer assignment, which names what the temp holds)."""
+    # libtpu guards a TPU with /tmp/libtpu_lockfile and refuses to start while another process has
+    # libtpu loaded, with "Internal error when accessing libtpu multi-process lockfile". A compile
+    # uses no TPU, and our LOCK already queues compiles; without this, a compile that started as
+    # another process ended failed now and then (seen in a plan run beside the test suite).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     import numpy as np
     from jax._src import compiler
     from jax._src.interpreters import mlir
@@ -323,8 +328,7 @@ def format_temp(step: int, peak: int, held: List[LiveValue], top: int) -> str:
     return "\n".join(lines)
 
 
-# libtpu takes /tmp/libtpu_lockfile for the whole process: one compiling process at a time on a
-# machine. Compiling processes therefore queue on a lock of their own first.
+# One compiling process at a time on a machine: a large model's compile takes many GB here.
 LOCK = "/tmp/accel_xla_fsdp_tpu_compiler.lock"
 
 
