@@ -549,7 +549,7 @@ def format_plan(r: Dict[str, Any]) -> str:
     if r["compare"] and r["compare"] not in r:
         lines.append(f"{ENGINES[r['compare']]}: not traced (the same parameters and AdamW state per chip)")
     if columns:
-        lines += ["", *_figures_table(columns, r["hbm"], gib)]
+        lines += ["", *_figures_table(columns, r["hbm"], gib, labelled=len(engines) > 1)]
     lines.append("")
     for label, e in engines:
         if e["fits"]:
@@ -570,16 +570,17 @@ def format_plan(r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _figures_table(columns: List[Tuple[str, Dict[str, Any]]], hbm: int, gib: Any) -> List[str]:
-    """The compiled engines' bytes per chip, a column each, and their traffic."""
+def _figures_table(columns: List[Tuple[str, Dict[str, Any]]], hbm: int, gib: Any, labelled: bool) -> List[str]:
+    """The compiled engines' bytes per chip, a column each, and their traffic; ``labelled``: each
+    column and traffic line names its engine (with ``--compare``, even when one was not compiled)."""
     rows = [
         ("arguments (parameter shards, AdamW state, batch)", lambda e: e["argument"]),
         ("output not donated", lambda e: e["output"] - e["alias"]),
         ("temp", lambda e: e["temp"]),
         ("peak", lambda e: e["peak"]),
     ]
-    widths = [max(12, len(label)) + 2 for label, _ in columns] if len(columns) > 1 else [12]
-    header = "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)) if len(columns) > 1 else ""
+    widths = [max(12, len(label)) + 2 for label, _ in columns] if labelled else [12]
+    header = "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)) if labelled else ""
     lines = [f"{'per chip, as the TPU compiler plans it:':<51}{header}".rstrip()]
     for name, figure in rows:
         cells = "".join(f"{gib(figure(e)):>{w}}" for (_, e), w in zip(columns, widths))
@@ -589,7 +590,7 @@ def _figures_table(columns: List[Tuple[str, Dict[str, Any]]], hbm: int, gib: Any
     for label, e in columns:
         counts = ", ".join(f"{c:,.0f} {kind}" for kind, c in e["collectives"].items()) or "none"
         lines.append(
-            ("" if len(columns) == 1 else f"{label}: ")
+            (f"{label}: " if labelled else "")
             + f"traffic per step, ring model: {gib(e['ring_bytes'])} sent per chip, "
             f"{e['ring_bytes'] / e['floor']:.2f}x the FSDP floor ({gib(e['floor'])}); {counts}"
         )

@@ -320,3 +320,14 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     assert "attention" not in text.splitlines()[3]  # the config's
     result.update(attention="sdpa")  # --attention sdpa
     assert plan.format_plan(result).splitlines()[3].endswith("), with sdpa attention")
+    # beside SPMD's step, compiled: its column and traffic are named, though it is the only one
+    spmd = plan.Step(11 * GIB, 0.0, 0.0, 5 * GIB, 16 * GIB, 30 * GIB, 1.0, {"all-gather": 227.0})
+    result.update(compare="spmd", spmd=plan.engine_figures(spmd, plan.topology("v5e-8"), floor=60 * GIB))
+    text = plan.format_plan(result).splitlines()
+    assert text[text.index("") + 1].split() == [
+        *"per chip, as the TPU compiler plans it:".split(),
+        "torch_xla",
+        "SPMD",
+        "FSDPv2",
+    ]
+    assert any(line.startswith("torch_xla SPMD FSDPv2: traffic per step") for line in text), text
