@@ -3,8 +3,8 @@
 A tiny Llama (2 decoder layers, each a unit, inside the root unit: 9 parameters per layer, 3 in
 the root; 21 in all; 128 and 256 wide for dim-0 shards) is traced as replica 0 of 4 in the TPU
 form (``tests/tpu_programs.py``, one process), and every program is compiled for 4 v4 chips and
-4 v5e chips (``accel_xla_fsdp/tpu_compiler.py`` in ``.tpu-venv``, one process: libtpu compiles in
-one process at a time). What the TPU would run is asserted: only all-gathers and reduce-scatters (no
+4 v5e chips (``accel_xla_fsdp/tpu_compiler.py`` in ``.tpu-venv``, one process: compiles queue on
+a lock, one at a time). What the TPU would run is asserted: only all-gathers and reduce-scatters (no
 all-reduce: a pinned gather or a 1-D reduce-scatter would be one), as many as FSDP needs, and ring
 traffic at the floor (``tpu_program.communication_floor``). The compiler's venv is made when
 missing (``scripts/ensure_tpu_venv.sh``); if it cannot be, the tests fail saying what to install.
