@@ -381,9 +381,10 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                 "--compare spmd in bf16 traces eager attention (SPMD's autocast refuses sdpa): drop --attention sdpa"
             )
         attention = "eager"
-    parameters, config_dtype = parameter_count(config)
+    parameters, dtype = parameter_count(config)
+    config_dtype = str(dtype).removeprefix("torch.")
     upcast = _f32_for_both(args.compare, precision, config_dtype)
-    parameter_dtype = upcast or str(config_dtype).removeprefix("torch.")
+    parameter_dtype = upcast or config_dtype
     request = Request(
         model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention, upcast
     )
@@ -429,7 +430,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "lm_head_gradient_in_backward": lm_head_in_backward,
         "vocabulary_kept_sharded": kept_sharded,
         "parameter_dtype": parameter_dtype,
-        "config_dtype": str(config_dtype).removeprefix("torch."),
+        "config_dtype": config_dtype,
         "attention": attention or "the config's",
         "compare": args.compare,
         **engine_figures(steps["ours"], the_slice),
@@ -528,8 +529,9 @@ def format_plan(r: Dict[str, Any]) -> str:
     def prefix(label: str) -> str:
         return "" if len(engines) == 1 else f"{label}: "
 
-    state = f"parameters and AdamW state in {r['parameter_dtype']}, the config's dtype"
-    if r["parameter_dtype"] != r["config_dtype"]:
+    if r["parameter_dtype"] == r["config_dtype"]:
+        state = f"parameters and AdamW state in {r['parameter_dtype']}, the config's dtype"
+    else:
         state = (
             f"parameters and AdamW state in {r['parameter_dtype']} for both, not the config's {r['config_dtype']}: "
             "SPMD computes in its parameters' dtype"
@@ -606,12 +608,10 @@ def _eager_for_both(compare: Optional[str], precision: str) -> bool:
     return compare == "spmd" and precision == "bf16"
 
 
-def _f32_for_both(compare: Optional[str], precision: str, config_dtype: Any) -> Optional[str]:
+def _f32_for_both(compare: Optional[str], precision: str, config_dtype: str) -> Optional[str]:
     """[Note: torch_xla's SPMD FSDPv2 beside ours]: "float32" when fp32 beside SPMD needs both
-    engines' parameters made f32, else None."""
-    import torch
-
-    return "float32" if compare == "spmd" and precision == "fp32" and config_dtype != torch.float32 else None
+    engines' parameters made f32 (``config_dtype``, as "bfloat16", is not), else None."""
+    return "float32" if compare == "spmd" and precision == "fp32" and config_dtype != "float32" else None
 
 
 def _attention_note(r: Dict[str, Any]) -> str:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-import torch
 from test_tpu_programs import tpu_python  # noqa: F401  (the fixture)
 from transformers import CLIPTextConfig, LlamaConfig
 
@@ -193,9 +192,9 @@ def test_fp32_beside_spmd_makes_both_engines_parameters_f32(tiny: Path, monkeypa
     state = "parameters and AdamW state in float32 for both, not the config's bfloat16"
     assert state in plan.format_plan(result).splitlines()[2]
     # bf16 beside SPMD, and fp32 alone, keep the config's dtype: the same step for both as it is
-    assert plan._f32_for_both("spmd", "bf16", torch.bfloat16) is None
-    assert plan._f32_for_both(None, "fp32", torch.bfloat16) is None
-    assert plan._f32_for_both("spmd", "fp32", torch.float32) is None
+    assert plan._f32_for_both("spmd", "bf16", "bfloat16") is None
+    assert plan._f32_for_both(None, "fp32", "bfloat16") is None
+    assert plan._f32_for_both("spmd", "fp32", "float32") is None
 
 
 # ---------------------------------------------------------------------------------------------
