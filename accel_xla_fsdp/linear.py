@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import sharded_tables
+from . import sharded_loss, sharded_tables
 
 _ORIGINAL_FORWARD = "_accel_xla_fsdp_linear_forward"
 _WEIGHT_GRAD_SINK = "_accel_xla_fsdp_weight_grad_sink"
@@ -62,7 +62,9 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     table = sharded_tables.table_of(self)
     if table is not None:  # FSDP's root computes it from the weight's shard
         out = sharded_tables.linear(table, input)
-        return out if self.bias is None else out + self.bias
+        if self.bias is not None:
+            return out + self.bias
+        return sharded_loss.note_logits(out, input, table) if table.group.options.lm_loss_in_chunks else out
     if not torch.is_grad_enabled():
         # No backward to patch; and an autograd.Function cannot run under inference_mode.
         return torch._C._nn.linear(input, self.weight, self.bias)

@@ -214,7 +214,7 @@ def _model_on_meta(config: Any) -> Any:
 def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> Dict[str, float]:
     import torch
 
-    from . import _xla, tpu_program
+    from . import _xla, sharded_loss, tpu_program
     from .construction import PlaceholderShards
     from .hf_accelerate.plugin import XlaFsdpPlugin
 
@@ -229,6 +229,7 @@ def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> Dict[str, float]
         "floor": tpu_program.communication_floor(wrapped),
         "argument": exported.argument_bytes,
         "vocabulary_kept_sharded": tpu_program.keeps_a_table_sharded(wrapped),
+        "lm_loss_in_chunks": sharded_loss.installed(wrapped.module),
     }
 
 
@@ -390,12 +391,13 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     )
     engines = ["ours", *([args.compare] if args.compare else [])]
     steps: Dict[str, Step] = {}
-    kept_sharded = False
+    kept_sharded = loss_in_chunks = False
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
         for engine in engines:
             program, traced = run_trace(request, engine, Path(tmp))
             if engine == "ours":
                 kept_sharded = bool(traced["vocabulary_kept_sharded"])
+                loss_in_chunks = bool(traced["lm_loss_in_chunks"])
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
             if engine == "ours" and traced["argument"] > the_slice.hbm:  # [Note: steps beyond HBM]
@@ -429,6 +431,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "lm_head_gradient_in_backward": lm_head_in_backward,
         "vocabulary_kept_sharded": kept_sharded,
+        "lm_loss_in_chunks": loss_in_chunks,
         "parameter_dtype": parameter_dtype,
         "config_dtype": config_dtype,
         "attention": attention or "the config's",
@@ -544,6 +547,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         f"step: sequence {r['seq']}, batch {r['batch_per_chip']} per chip, {precision}, "
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
         + (", the vocabulary's tables kept sharded" if r["vocabulary_kept_sharded"] else "")
+        + (", the loss from lm_head's chunks" if r["lm_loss_in_chunks"] else "")
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
         f"traced at full depth ({depth})" + _attention_note(r),
     ]

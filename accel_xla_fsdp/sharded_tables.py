@@ -94,10 +94,10 @@ def embedding(table: ShardedTable, ids: torch.Tensor, padding_idx: Optional[int]
     if torch.is_grad_enabled() and shard.requires_grad:
         return _EmbeddingFromShard.apply(ids, shard, table, padding_idx)
     with torch.no_grad():
-        return _EmbeddingFromShard.forward(_Context(), ids, shard, table, padding_idx)
+        return _EmbeddingFromShard.forward(NoBackward(), ids, shard, table, padding_idx)
 
 
-class _Context:
+class NoBackward:
     """Stands for autograd's context where there is no backward (evaluation)."""
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
@@ -148,14 +148,14 @@ def linear(table: ShardedTable, input: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (shard.requires_grad or input.requires_grad):
         return _LinearFromShard.apply(input, shard, table)
     with torch.no_grad():
-        return _LinearFromShard.forward(_Context(), input, shard, table)
+        return _LinearFromShard.forward(NoBackward(), input, shard, table)
 
 
-def _chunks(table: ShardedTable, width: int) -> List[Tuple[int, int]]:
+def row_chunks(table: ShardedTable, width: int) -> List[Tuple[int, int]]:
     return _xla.reduce_scatter_row_chunks(table.group.shard.size(0), width)
 
 
-def _after(previous: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def chained_after(previous: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """``tensors``, barriered with ``previous`` (the chunk before's results, when there is one)
     as stand-ins, so the compiler keeps the chunks apart and in order."""
     return _xla.optimization_barrier_(previous, read_only=tensors) if previous else tensors
@@ -175,8 +175,8 @@ class _LinearFromShard(torch.autograd.Function):
         # more for Llama-3.1-8B (docs/tpu.md, "The logits written in place").
         columns = x.new_empty(x.size(0), table.rows)
         previous: List[torch.Tensor] = []
-        for start, stop in _chunks(table, x.size(1)):
-            (part,) = _after(previous, [weight[start:stop]])
+        for start, stop in row_chunks(table, x.size(1)):
+            (part,) = chained_after(previous, [weight[start:stop]])
             product = torch._C._nn.linear(x, table.all_gather(part)).view(x.size(0), world, stop - start)
             for replica, (first, last) in enumerate(table.group.chunk_column_spans(start, stop, table.rows)):
                 if first < last:
@@ -201,11 +201,11 @@ class _LinearFromShard(torch.autograd.Function):
         # docs/tpu.md, "lm_head's gradient shard written in place").
         grad_shard: Optional[torch.Tensor] = None
         previous: List[torch.Tensor] = []
-        for start, stop in _chunks(table, x.size(1)):
+        for start, stop in row_chunks(table, x.size(1)):
             # The gradient passes the barrier whole and the chunk's columns are taken after it:
             # taken before, the TPU compiler took every chunk's columns as soon as the gradient was
             # made and held them all, a second copy of it (docs/tpu.md, "The logits' gradient").
-            part, grad = _after(previous, [weight[start:stop], grad])
+            part, grad = chained_after(previous, [weight[start:stop], grad])
             g = table.group.chunk_columns(grad, start, stop)
             previous = []
             if ctx.needs_input_grad[0]:

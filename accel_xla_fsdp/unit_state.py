@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import _xla, embedding, linear, sharded_tables
+from . import _xla, embedding, linear, sharded_loss, sharded_tables
 from .checkpointing import in_recompute
 from .collectives import GradBucket, gather_groups
 from .options import FsdpOptions, ShardingGroup
@@ -305,6 +305,8 @@ class UnitState:
             if table is not None and all(h in computes_from_shard for h in holders[id(m.weight)]):
                 sharded_tables.attach(m, table)
                 table.kept_sharded = True
+        if options.lm_loss_in_chunks and any(g.kept_sharded for g in self.param_groups):
+            sharded_loss.install(self.module)
 
     def install_weight_grad_sinks(self) -> None:
         """``reduce_scatter_in_linear_backward``: give each patched Linear's weight that is a dim-0

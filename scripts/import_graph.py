@@ -47,6 +47,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("param_group",),
     ("collectives",),
     ("sharded_tables",),  # the root's vocabulary tables, computed from their shards
+    ("sharded_loss",),  # a causal LM's loss from lm_head's shard, a chunk at a time
     ("linear", "embedding", "checkpointing", "wrap"),
     ("unit_state",),
     ("state_dict",),

@@ -39,6 +39,10 @@ QUICK: Tuple[Tuple[str, str], ...] = (
         "a transformers model, activation checkpointing",
     ),
     (
+        "test_lm_loss_in_chunks.py::test_loss_from_lm_heads_chunks_trains_as_the_plain_model",
+        "sharded_loss.py, sharded_tables.py: the vocabulary kept sharded, the loss from lm_head's chunks",
+    ),
+    (
         "test_training_loop.py::test_gradient_accumulation_matches_plain_model[2dev-flat-set_requires_gradient_sync]",
         "no_sync as Accelerate calls it",
     ),

@@ -59,6 +59,9 @@ def bad_inputs(rank: int, world: int) -> Dict[str, str]:
         "mixed_devices": lambda: FSDP(two_devices),
         "flatten_and_dim0": lambda: FSDP(nn.Linear(4, 4), flatten_parameters=True, shard_param_on_dim_0=True),
         "vocabulary_without_dim0": lambda: FSDP(nn.Linear(4, 4), keep_vocabulary_sharded=True),
+        "loss_in_chunks_without_vocabulary": lambda: FSDP(
+            nn.Linear(4, 4), shard_param_on_dim_0=True, lm_loss_in_chunks=True
+        ),
         "integer_compute_dtype": lambda: FSDP(nn.Linear(4, 4), compute_dtype=torch.int32),
         "wrapper_without_policy": lambda: FSDP(nn.Linear(4, 4), auto_wrapper_callable=FSDP),
         "module_list": lambda: FSDP(nn.ModuleList([nn.Linear(2, 2)])),
@@ -85,6 +88,7 @@ EXPECTED = {
     "mixed_devices": ("ValueError", "'0.weight' on cpu", "on xla:", "move the whole module to one device"),
     "flatten_and_dim0": ("ValueError", "flatten_parameters=True and shard_param_on_dim_0=True", "Choose one"),
     "vocabulary_without_dim0": ("ValueError", "keep_vocabulary_sharded=True needs shard_param_on_dim_0", "Set"),
+    "loss_in_chunks_without_vocabulary": ("ValueError", "lm_loss_in_chunks=True needs keep_vocabulary_sharded", "Set"),
     "integer_compute_dtype": ("ValueError", "compute_dtype must be one of", "torch.int32"),
     "wrapper_without_policy": ("ValueError", "auto_wrapper_callable needs an auto_wrap_policy"),
     "module_list": ("ValueError", "ModuleList has no forward", "wrap its members"),

@@ -221,7 +221,7 @@ def test_plan_end_to_end(tpu_python: Path, tiny: Path, tmp_path: Path) -> None: 
     assert (result["chips"], result["hbm"], result["layers"]) == (8, 16 * GIB, 2)
     assert (result["precision"], result["gradient_checkpointing"]) == ("bf16", True)
     assert result["attention"] == "eager"  # beside SPMD's bf16, which needs it
-    assert result["vocabulary_kept_sharded"]  # the plugin's TPU default
+    assert result["vocabulary_kept_sharded"] and not result["lm_loss_in_chunks"]  # the plugin's TPU defaults
     # parameter shards and AdamW's two moments in the config's dtype, f32 here; each of the 21
     # shards padded to whole (16, 128) tiles
     assert result["parameter_dtype"] == "float32"
@@ -310,6 +310,7 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
         attention="the config's",
         hints=[],
         vocabulary_kept_sharded=False,
+        lm_loss_in_chunks=False,
     )
     assert not result["fits"] and result["peak"] == 19.64 * GIB
     text = plan.format_plan(result)

@@ -253,6 +253,7 @@ class XlaFsdpPlugin:
     use_xla_patched_linear: Optional[bool] = _option("use_xla_patched_linear")
     reduce_scatter_in_linear_backward: Optional[bool] = _option("reduce_scatter_in_linear_backward")
     keep_vocabulary_sharded: Optional[bool] = _option("keep_vocabulary_sharded")
+    lm_loss_in_chunks: Optional[bool] = _option("lm_loss_in_chunks")
 
     def __post_init__(self) -> None:
         config = _config_file_settings()
