@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .sharded_tables import NoBackward, ShardedTable, chained_after, row_chunks
+from .sharded_tables import ChunkGradients, NoBackward, ShardedTable, chained_after, row_chunks
 
 _LOGITS_OF = "_accel_xla_fsdp_logits_of"
 
@@ -130,8 +130,7 @@ class _CrossEntropyFromShard(torch.autograd.Function):
         log_sum_exp = log_sum_exp.view(-1, 1, 1)
         # d loss / d logit = scale * (softmax - one-hot), the scale per token (0 where ignored).
         scale = torch.where(valid, grad_loss / divisor, 0.0).view(-1, 1, 1)
-        grad_input: Optional[torch.Tensor] = None  # in f32: the sum of the chunks' products
-        grad_shard: Optional[torch.Tensor] = None  # each chunk's reduced rows written in place
+        grads = ChunkGradients(table, x, *ctx.needs_input_grad[:2])
         previous: List[torch.Tensor] = []
         for start, stop in row_chunks(table, x.size(1)):
             (part,) = chained_after(previous, [weight[start:stop]])
@@ -141,20 +140,8 @@ class _CrossEntropyFromShard(torch.autograd.Function):
             # The logits' gradient in their dtype (the compute dtype), as autograd's through the
             # upcast in ForCausalLMLoss.
             grad = (probs * scale - torch.where(ids == labels, scale, 0.0)).to(weight.dtype)
-            previous = []
-            if ctx.needs_input_grad[0]:
-                partial = grad.reshape(grad.size(0), -1).mm(rows).float()
-                grad_input = partial if grad_input is None else grad_input + partial
-                previous.append(grad_input)
-            if ctx.needs_input_grad[1]:
-                reduced = table.group.reduce_scatter(table.group.weight_grad_chunk(grad, x), 1.0 / table.world)
-                if grad_shard is None:
-                    grad_shard = reduced.new_zeros(shard.size(0), reduced.size(1))
-                grad_shard[start:stop] = reduced
-                previous.append(grad_shard)
-        if grad_input is not None:
-            grad_input = grad_input.to(input.dtype).view(input.shape)
-        return grad_input, grad_shard, None, None, None, None
+            previous = grads.add(grad, lambda: rows, start, stop)
+        return (*grads.result(input.shape), None, None, None, None)
 
 
 def _column_ids(table: ShardedTable, start: int, stop: int, device: torch.device) -> torch.Tensor:

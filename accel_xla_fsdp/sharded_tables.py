@@ -32,7 +32,7 @@ Every replica traces the same program: a replica's first row is a device tensor,
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -194,30 +194,52 @@ class _LinearFromShard(torch.autograd.Function):
         table: ShardedTable = ctx.table
         weight = table.weight(shard)
         grad = grad.reshape(-1, grad.size(-1))
-        grad_input: Optional[torch.Tensor] = None  # in f32: the sum of the chunks' products
-        # The weight's gradient shard, each chunk's reduced rows written in place as they arrive:
-        # made as torch.cat of the chunks, the TPU compiler held every chunk apart until it built
-        # the shard late in backward (+246 MB temp for Llama-3.1-8B's dimensions on v5p-8;
-        # docs/tpu.md, "lm_head's gradient shard written in place").
-        grad_shard: Optional[torch.Tensor] = None
+        grads = ChunkGradients(table, x, *ctx.needs_input_grad[:2])
         previous: List[torch.Tensor] = []
         for start, stop in row_chunks(table, x.size(1)):
             # The gradient passes the barrier whole and the chunk's columns are taken after it:
             # taken before, the TPU compiler took every chunk's columns as soon as the gradient was
             # made and held them all, a second copy of it (docs/tpu.md, "The logits' gradient").
             part, grad = chained_after(previous, [weight[start:stop], grad])
-            g = table.group.chunk_columns(grad, start, stop)
-            previous = []
-            if ctx.needs_input_grad[0]:
-                partial = g.reshape(g.size(0), -1).mm(table.all_gather(part)).float()
-                grad_input = partial if grad_input is None else grad_input + partial
-                previous.append(grad_input)
-            if ctx.needs_input_grad[1]:
-                reduced = table.group.reduce_scatter(table.group.weight_grad_chunk(g, x), 1.0 / table.world)
-                if grad_shard is None:
-                    grad_shard = reduced.new_zeros(shard.size(0), reduced.size(1))
-                grad_shard[start:stop] = reduced
-                previous.append(grad_shard)
-        if grad_input is not None:
-            grad_input = grad_input.to(x.dtype).view(ctx.input_shape)
-        return grad_input, grad_shard, None
+            columns = table.group.chunk_columns(grad, start, stop)
+            previous = grads.add(columns, lambda: table.all_gather(part), start, stop)
+        return (*grads.result(ctx.input_shape), None)
+
+
+class ChunkGradients:
+    """lm_head's gradients made a chunk at a time in its backward: the input's, the sum of the
+    chunks' products in f32, and the weight's shard, each chunk's reduced rows written into it."""
+
+    def __init__(self, table: ShardedTable, x: torch.Tensor, for_input: bool, for_weight: bool) -> None:
+        self.table, self.x, self.for_input, self.for_weight = table, x, for_input, for_weight
+        self.input: Optional[torch.Tensor] = None
+        # Written in place as the chunks arrive: made as torch.cat of the chunks, the TPU compiler
+        # held every chunk apart until it built the shard late in backward (+246 MB temp for
+        # Llama-3.1-8B's dimensions on v5p-8; docs/tpu.md, "lm_head's gradient shard written in
+        # place").
+        self.weight: Optional[torch.Tensor] = None
+
+    def add(
+        self, columns: torch.Tensor, rows: Callable[[], torch.Tensor], start: int, stop: int
+    ) -> List[torch.Tensor]:
+        """Add chunk [start, stop)'s part: ``columns`` its columns of the output's gradient
+        ([tokens, replicas, stop - start]), ``rows()`` its gathered rows of the weight (gathered
+        only for the input's gradient). Returns the values the next chunk is ordered after."""
+        made = []
+        if self.for_input:
+            partial = columns.reshape(columns.size(0), -1).mm(rows()).float()
+            self.input = partial if self.input is None else self.input + partial
+            made.append(self.input)
+        if self.for_weight:
+            group = self.table.group
+            reduced = group.reduce_scatter(group.weight_grad_chunk(columns, self.x), 1.0 / self.table.world)
+            if self.weight is None:
+                self.weight = reduced.new_zeros(group.shard.size(0), reduced.size(1))
+            self.weight[start:stop] = reduced
+            made.append(self.weight)
+        return made
+
+    def result(self, input_shape: torch.Size) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The input's gradient (in the input's dtype and shape) and the weight's shard."""
+        grad_input = None if self.input is None else self.input.to(self.x.dtype).view(input_shape)
+        return grad_input, self.weight

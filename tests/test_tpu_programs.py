@@ -305,6 +305,24 @@ def test_bf16_logits_are_not_copied_to_f32(compiled, topology: str) -> None:
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_the_loss_from_lm_heads_chunks_never_makes_the_logits(compiled, topology: str) -> None:
+    """lm_loss_in_chunks: the loss and its gradient come from lm_head's chunks, so no value of the
+    logits' size is left in the compiled step (the loss from the whole logits has them). Its
+    collectives are the kept-sharded step's and two more gathers: lm_head's own forward gathers,
+    whose logits nothing reads, stay in the program, chained to the next collective by
+    torch_xla's numeric token (docs/tpu.md, "The loss from lm_head's chunks")."""
+    chunked, whole = (
+        compiled["vocabulary_sharded_loss_in_chunks", topology],
+        compiled["vocabulary_sharded_bf16", topology],
+    )
+    assert _logits_sized(Path(whole["optimized"]).read_text(), 16000)  # the check finds what it looks for
+    assert _logits_sized(Path(chunked["optimized"]).read_text(), 16000) == []
+    kinds = {kind: c["count"] for kind, c in chunked["collectives"].items()}
+    expected = {kind: c["count"] for kind, c in whole["collectives"].items()}
+    assert kinds == {**expected, "all-gather": expected["all-gather"] + 2}
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_logits_are_made_as_tokens_by_vocabulary(compiled, topology: str) -> None:
     """keep_vocabulary_sharded, a chip's rows not whole tiles: lm_head writes each chunk's columns
     into the [tokens, vocabulary] logits and takes its gradient's columns from them alike. Built as

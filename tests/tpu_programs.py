@@ -129,6 +129,14 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
         1,
         "train",
     ),
+    # the same, the loss from lm_head's chunks (lm_loss_in_chunks)
+    "vocabulary_sharded_loss_in_chunks": (
+        lambda: dim0_lm_head(
+            16000, keep_vocabulary_sharded=True, lm_loss_in_chunks=True, compute_dtype=torch.bfloat16
+        ),
+        1,
+        "train",
+    ),
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }
