@@ -283,7 +283,8 @@ class UnitState:
     def keep_tables_sharded(self, is_root: bool) -> None:
         """``keep_vocabulary_sharded``: in the root, compute each stock Embedding and patched Linear
         whose weight is a dim-0 group of this unit's own from that group's shard, never gathered
-        whole (sharded_tables.py); in any other unit (a former root), gather them again."""
+        whole (sharded_tables.py), and with ``lm_loss_in_chunks`` give the module the loss from
+        lm_head's chunks (sharded_loss.py); in any other unit (a former root), gather them again."""
         options = self.options
         keep = is_root and options.keep_vocabulary_sharded and self.sharding.world_size > 1
         for group in self.param_groups:
