@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .sharded_tables import ChunkGradients, NoBackward, ShardedTable, chained_after, row_chunks
+from .sharded_tables import ChunkGradients, NoBackward, ShardedTable, chained_after, chunk_product, row_chunks
 
 _LOGITS_OF = "_accel_xla_fsdp_logits_of"
 
@@ -105,7 +105,9 @@ class _CrossEntropyFromShard(torch.autograd.Function):
         for start, stop in row_chunks(table, x.size(1)):
             (part,) = chained_after(previous, [weight[start:stop]])
             ids = _column_ids(table, start, stop, x.device)
-            scores = _scores(x, table.all_gather(part), ids, table).masked_fill(ids >= table.rows, float("-inf"))
+            # The chunk's logits, upcast as ForCausalLMLoss upcasts them.
+            scores = chunk_product(table, x, table.all_gather(part), start, stop).float()
+            scores = scores.masked_fill(ids >= table.rows, float("-inf"))
             new_top = torch.maximum(top, scores.amax(dim=(1, 2)))
             total = total * torch.exp(top - new_top) + torch.exp(scores - new_top.view(-1, 1, 1)).sum(dim=(1, 2))
             picked = picked + torch.where(ids == labels, scores, 0.0).sum(dim=(1, 2))
@@ -136,7 +138,8 @@ class _CrossEntropyFromShard(torch.autograd.Function):
             (part,) = chained_after(previous, [weight[start:stop]])
             rows = table.all_gather(part)
             ids = _column_ids(table, start, stop, x.device)
-            probs = torch.exp(_scores(x, rows, ids, table) - log_sum_exp).masked_fill(ids >= table.rows, 0.0)
+            scores = chunk_product(table, x, rows, start, stop).float()
+            probs = torch.exp(scores - log_sum_exp).masked_fill(ids >= table.rows, 0.0)
             # The logits' gradient in their dtype (the compute dtype), as autograd's through the
             # upcast in ForCausalLMLoss.
             grad = (probs * scale - torch.where(ids == labels, scale, 0.0)).to(weight.dtype)
@@ -150,9 +153,3 @@ def _column_ids(table: ShardedTable, start: int, stop: int, device: torch.device
     part_rows = table.group.shard.size(0)
     replicas = torch.arange(table.world, device=device).view(1, -1, 1) * part_rows
     return replicas + torch.arange(start, stop, device=device).view(1, 1, -1)
-
-
-def _scores(x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, table: ShardedTable) -> torch.Tensor:
-    """A chunk's logits in f32, [tokens, replicas, rows of the chunk]: ``x`` times the chunk's
-    gathered ``rows``, in the compute dtype, then upcast as ForCausalLMLoss upcasts them."""
-    return torch._C._nn.linear(x, rows).view(x.size(0), table.world, ids.size(2)).float()

@@ -155,6 +155,12 @@ def row_chunks(table: ShardedTable, width: int) -> List[Tuple[int, int]]:
     return _xla.reduce_scatter_row_chunks(table.group.shard.size(0), width)
 
 
+def chunk_product(table: ShardedTable, x: torch.Tensor, rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``x`` times a chunk's gathered ``rows`` (rows [start, stop) of every replica's part): its
+    columns of the output, as [tokens, replicas, stop - start]."""
+    return torch._C._nn.linear(x, rows).view(x.size(0), table.world, stop - start)
+
+
 def chained_after(previous: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """``tensors``, barriered with ``previous`` (the chunk before's results, when there is one)
     as stand-ins, so the compiler keeps the chunks apart and in order."""
@@ -165,7 +171,7 @@ class _LinearFromShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, shard: torch.Tensor, table: ShardedTable) -> torch.Tensor:
         x = input.reshape(-1, input.size(-1))
-        weight, world = table.weight(shard), table.world
+        weight = table.weight(shard)
         ctx.save_for_backward(x, shard)
         ctx.table, ctx.input_shape = table, input.shape
         # The logits as [tokens, vocabulary], each chunk's columns assigned into them: built as
@@ -177,7 +183,7 @@ class _LinearFromShard(torch.autograd.Function):
         previous: List[torch.Tensor] = []
         for start, stop in row_chunks(table, x.size(1)):
             (part,) = chained_after(previous, [weight[start:stop]])
-            product = torch._C._nn.linear(x, table.all_gather(part)).view(x.size(0), world, stop - start)
+            product = chunk_product(table, x, table.all_gather(part), start, stop)
             for replica, (first, last) in enumerate(table.group.chunk_column_spans(start, stop, table.rows)):
                 if first < last:
                     columns[:, first:last] = product[:, replica, : last - first]
