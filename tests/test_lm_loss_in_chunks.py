@@ -3,13 +3,17 @@ time (sharded_loss.py), trained on 2 devices against the plain model on the CPU.
 
 The vocabulary (8,300 rows on 2 replicas: 4,150 a part) takes two of lm_head's chunks at width 64
 (4,096 rows each; ``_xla.reduce_scatter_row_chunks``), the second one padded; labels include
-ignored tokens, and the second step passes ``num_items_in_batch`` as the Trainer does.
+ignored tokens, and the second step passes ``num_items_in_batch`` as the Trainer does. Tied, the
+table's shard takes the loss's gradient and the embedding's; under ``no_sync`` each micro-batch's
+is reduced and added to the shard's gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Tuple
 
+import pytest
 import torch
 from models import _plain_state
 from tiny_llama import TINY_LLAMA
@@ -19,13 +23,13 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
 from accel_xla_fsdp import _xla, seeded, sharded_loss, transformer_block_policy
 
-CONFIG = dict(TINY_LLAMA, hidden_size=64, vocab_size=8300, tie_word_embeddings=False, use_cache=False)
+CONFIG = dict(TINY_LLAMA, hidden_size=64, vocab_size=8300, use_cache=False)
 ROWS, TOKENS, STEPS = 2, 12, 2  # a replica's rows of each global batch
 
 
-def build() -> LlamaForCausalLM:
+def build(tied: bool) -> LlamaForCausalLM:
     with seeded(0):
-        return LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="eager"))
+        return LlamaForCausalLM(LlamaConfig(**CONFIG, tie_word_embeddings=tied, attn_implementation="eager"))
 
 
 def global_batch(step: int, world: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +47,14 @@ def replica_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
     return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, **kwargs)
 
 
-def train_fsdp(rank: int, world: int, chunked: bool) -> Dict[str, object]:
+def micro_batches(ids: torch.Tensor, labels: torch.Tensor, count: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(ids.chunk(count), labels.chunk(count)))
+
+
+def train_fsdp(rank: int, world: int, chunked: bool, tied: bool = False, accumulate: int = 1) -> Dict[str, object]:
+    """``accumulate`` micro-batches a step, all but the last under ``no_sync``."""
     model = FSDP(
-        build(),
+        build(tied),
         auto_wrap_policy=transformer_block_policy(),
         shard_param_on_dim_0=True,
         keep_vocabulary_sharded=True,
@@ -57,12 +66,14 @@ def train_fsdp(rank: int, world: int, chunked: bool) -> Dict[str, object]:
     logits = None
     for step in range(STEPS):
         ids, labels = (t[rank * ROWS : (rank + 1) * ROWS].to(dev) for t in global_batch(step, world))
-        out = replica_loss(model, ids, labels, step)
-        out.loss.backward()
+        for i, (part, part_labels) in enumerate(micro_batches(ids, labels, accumulate)):
+            with model.no_sync() if i < accumulate - 1 else contextlib.nullcontext():
+                out = replica_loss(model, part, part_labels, step)
+                (out.loss / accumulate).backward()
+            losses.append(out.loss.detach().cpu())
         optimizer.step()
         optimizer.zero_grad()
         _xla.sync()
-        losses.append(out.loss.detach().cpu())
         if step == 0:
             logits = out.logits.detach().cpu()  # the script reads them: computed as before
     return {
@@ -73,34 +84,37 @@ def train_fsdp(rank: int, world: int, chunked: bool) -> Dict[str, object]:
     }
 
 
-def train_reference(world: int) -> Dict[str, object]:
-    """The plain model on the CPU: each step the mean of the replicas' losses."""
-    model = build()
+def train_reference(world: int, tied: bool = False, accumulate: int = 1) -> Dict[str, object]:
+    """The plain model on the CPU: each step the mean of the replicas' micro-batches' losses."""
+    model = build(tied)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, logits = [], []
+    losses: List[List[torch.Tensor]] = [[] for _ in range(world)]
+    logits = []
     for step in range(STEPS):
         ids, labels = global_batch(step, world)
-        rows = [slice(r * ROWS, (r + 1) * ROWS) for r in range(world)]
-        outs = [replica_loss(model, ids[part], labels[part], step) for part in rows]
-        loss = torch.stack([o.loss for o in outs]).mean()
-        loss.backward()
+        outs = []
+        for rank in range(world):
+            part = slice(rank * ROWS, (rank + 1) * ROWS)
+            for micro_ids, micro_labels in micro_batches(ids[part], labels[part], accumulate):
+                outs.append(replica_loss(model, micro_ids, micro_labels, step))
+                losses[rank].append(outs[-1].loss.detach())
+        torch.stack([o.loss for o in outs]).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append([o.loss.detach() for o in outs])
         if step == 0:
-            logits = [o.logits.detach() for o in outs]
+            logits = [outs[(rank + 1) * accumulate - 1].logits.detach() for rank in range(world)]
     return {"losses": losses, "logits": logits, "state": _plain_state(model)}
 
 
-def test_loss_from_lm_heads_chunks_trains_as_the_plain_model(pools) -> None:
+@pytest.mark.parametrize("tied, accumulate", [(False, 1), (True, 2)], ids=["untied", "tied-no_sync"])
+def test_loss_from_lm_heads_chunks_trains_as_the_plain_model(pools, tied: bool, accumulate: int) -> None:
     world = 2
     assert len(_xla.reduce_scatter_row_chunks(4150, CONFIG["hidden_size"])) == 2  # what the test needs
-    results = pools[world].run(train_fsdp, world, True)
-    ref = train_reference(world)
+    results = pools[world].run(train_fsdp, world, True, tied, accumulate)
+    ref = train_reference(world, tied, accumulate)
     for rank, got in enumerate(results):
         assert got["loss_function"] is sharded_loss.causal_lm_loss
-        for step in range(STEPS):
-            torch.testing.assert_close(got["losses"][step], ref["losses"][step][rank], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["losses"], ref["losses"][rank], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["logits"], ref["logits"][rank], rtol=1e-5, atol=1e-6)
         assert sorted(got["state"]) == sorted(ref["state"])
         for name, want in ref["state"].items():
