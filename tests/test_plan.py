@@ -146,10 +146,21 @@ def test_tied_embeddings_are_one_table(tiny: Path, tied: bool) -> None:
 def test_a_step_that_does_not_fit_gets_hints() -> None:
     result: Dict[str, Any] = {"fits": False, "precision": "fp32", "gradient_checkpointing": False}
     result.update(batch_per_chip=4, argument=20 * GIB, tied_embeddings=False, vocabulary_kept_sharded=False)
-    result.update(lm_head_gradient_in_backward=False)
+    result.update(lm_head_gradient_in_backward=False, lm_loss_in_chunks=False)
     found = plan.hints(result)
     assert [h.split(" ")[0] for h in found] == ["bf16", "gradient", "a", "more"]
     assert "20.0 GiB per chip" in found[-1]
+    result.update(vocabulary_kept_sharded=True)  # not checkpointed: the loss from lm_head's chunks
+    assert [h.split(" ")[0] for h in plan.hints(result)] == [
+        "bf16",
+        "gradient",
+        "a",
+        "xla_fsdp_lm_loss_in_chunks:",
+        "more",
+    ]
+    result.update(lm_loss_in_chunks=True)
+    assert [h.split(" ")[0] for h in plan.hints(result)] == ["bf16", "gradient", "a", "more"]
+    result.update(vocabulary_kept_sharded=False, lm_loss_in_chunks=False)
     result.update(precision="bf16", gradient_checkpointing=True, batch_per_chip=1)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
     result.update(tied_embeddings=True)  # Gemma-2, Llama-3.2-1B
