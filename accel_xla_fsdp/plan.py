@@ -24,7 +24,8 @@ suggests (Llama-3.1-70B on 8 chips: over 23 GiB here, killed), and would add not
 verdict. SPMD FSDPv2 holds the same parameters and state per chip, so ``--compare`` is not
 traced either. A step that needs more than the chip's HBM in all, the TPU compiler refuses
 ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
-(19.64G) exceeds available HBM (15.75G)": Gemma-2-9B on v5e-8); its verdict quotes the compiler,
+(19.64G) exceeds available HBM (15.75G)": Gemma-2-9B on v5e-8; or "Ran out of memory in memory
+space hbm. Used 13.33G of 13.18G hbm", seen with its HBM capped); its verdict quotes the compiler,
 the peak is at least the larger of the arguments and that figure, and the margin is against the
 HBM the compiler had, which is less than the chip's (30.75 of v4's 32 GiB): a step refused at
 31.27 does not fit.
@@ -342,10 +343,32 @@ def run_trace(request: Request, engine: str, workdir: Path) -> Tuple[Path, Dict[
     return program_path(spec), json.loads(spec_path.with_suffix(".out.json").read_text())
 
 
-# The compiler's refusal of a step beyond HBM ([Note: steps beyond HBM]); "G" is GiB
-_OUT_OF_HBM = re.compile(
-    r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)G\) exceeds available HBM \((?P<available>[0-9.]+)G\)"
+# The compiler's refusal of a step beyond HBM ([Note: steps beyond HBM]), in its two wordings:
+# the temporaries over the HBM it has, and the whole use over it (seen with the compiler's HBM
+# capped, LIBTPU_INIT_ARGS=--xla_tpu_max_hbm_size_mib=N). "G" is GiB, "M" MiB.
+_OUT_OF_HBM = (
+    re.compile(
+        r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)(?P<required_unit>[KMG])\) "
+        r"exceeds available HBM \((?P<available>[0-9.]+)(?P<available_unit>[KMG])\)"
+    ),
+    re.compile(
+        r"Ran out of memory in memory space hbm\. Used (?P<required>[0-9.]+)(?P<required_unit>[KMG]) "
+        r"of (?P<available>[0-9.]+)(?P<available_unit>[KMG]) hbm"
+    ),
 )
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": GIB}
+
+
+def compiler_refusal(stderr: str) -> Optional[Dict[str, Any]]:
+    """The compiler's refusal of a step beyond HBM, from its output: its words, the bytes it
+    needed at least and the HBM it had; None if it refused none."""
+    for pattern in _OUT_OF_HBM:
+        found = pattern.search(stderr)
+        if found:
+            required = float(found["required"]) * _UNITS[found["required_unit"]]
+            available = float(found["available"]) * _UNITS[found["available_unit"]]
+            return {"refused": found[0], "required": required, "available": available}
+    return None
 
 
 def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
@@ -360,10 +383,9 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
             "takes more than the model's size suggests (Llama-3.1-70B's step on 8 chips: over 23 GiB here); "
             "run plan on a machine with more memory"
         )
-    refused = _OUT_OF_HBM.search(done.stderr)
+    refused = compiler_refusal(done.stderr)
     if refused:  # [Note: steps beyond HBM]
-        required, available = float(refused["required"]) * GIB, float(refused["available"]) * GIB
-        return {"refused": refused[0], "required": required, "available": available}
+        return refused
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))

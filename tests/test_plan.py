@@ -295,10 +295,32 @@ def _refused(required: float, available: float) -> plan.Step:
         "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
         f"required for HLO temporaries ({required}G) exceeds available HBM ({available}G).\n"
     )
-    refused = plan._OUT_OF_HBM.search(stderr)
-    assert refused is not None and (float(refused["required"]), float(refused["available"])) == (required, available)
-    why = f"the TPU compiler refused it: {refused[0]}"
+    refused = plan.compiler_refusal(stderr)
+    assert refused is not None and (refused["required"], refused["available"]) == (required * GIB, available * GIB)
+    why = f"the TPU compiler refused it: {refused['refused']}"
     return plan.Step.beyond_hbm(12.9 * GIB, required * GIB, 1.0, why, available * GIB)
+
+
+def test_the_compilers_other_refusal_is_read_too() -> None:
+    """The compiler's other wording, seen with its HBM capped (LIBTPU_INIT_ARGS=
+    --xla_tpu_max_hbm_size_mib=13500: Llama-3.1-8B, bf16, checkpointed, v5p-8), and either
+    wording in MiB, were reported as the compiler failing. M is MiB, G GiB."""
+    stderr = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
+        "memory space hbm. Used 13.33G of 13.18G hbm. Exceeded hbm capacity by 147.14M.\n"
+    )
+    refused = plan.compiler_refusal(stderr)
+    assert refused == {
+        "refused": "Ran out of memory in memory space hbm. Used 13.33G of 13.18G hbm",
+        "required": 13.33 * GIB,
+        "available": 13.18 * GIB,
+    }
+    small = plan.compiler_refusal(stderr.replace("13.33G of 13.18G", "20.65M of 20.00M"))
+    assert small is not None and (small["required"], small["available"]) == (20.65 * 2**20, 20.0 * 2**20)
+    temporaries = "Ran out of memory on HBM, the total memory required for HLO temporaries (13.53M) exceeds available HBM (8.00M)."
+    found = plan.compiler_refusal(temporaries)  # a tiny step under an 8 MiB cap
+    assert found is not None and (found["required"], found["available"]) == (13.53 * 2**20, 8.0 * 2**20)
+    assert plan.compiler_refusal("RESOURCE_EXHAUSTED: something else") is None
 
 
 def test_a_step_refused_below_the_chips_hbm_does_not_fit() -> None:
