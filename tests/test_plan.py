@@ -317,7 +317,10 @@ def test_the_compilers_other_refusal_is_read_too() -> None:
     }
     small = plan.compiler_refusal(stderr.replace("13.33G of 13.18G", "20.65M of 20.00M"))
     assert small is not None and (small["required"], small["available"]) == (20.65 * 2**20, 20.0 * 2**20)
-    temporaries = "Ran out of memory on HBM, the total memory required for HLO temporaries (13.53M) exceeds available HBM (8.00M)."
+    temporaries = (
+        "Ran out of memory on HBM, the total memory required for HLO temporaries (13.53M) exceeds "
+        "available HBM (8.00M)."
+    )
     found = plan.compiler_refusal(temporaries)  # a tiny step under an 8 MiB cap
     assert found is not None and (found["required"], found["available"]) == (13.53 * 2**20, 8.0 * 2**20)
     assert plan.compiler_refusal("RESOURCE_EXHAUSTED: something else") is None
