@@ -529,8 +529,8 @@ def hints(result: Dict[str, Any]) -> List[str]:
     if result["batch_per_chip"] > 1:
         found.append("a smaller per-chip batch (--batch), with gradient accumulation for the same global batch")
     # Only without checkpointing: checkpointed, the real models' steps planned more with it.
-    loss_in_chunks = result["vocabulary_kept_sharded"] and not result["lm_loss_in_chunks"]
-    if loss_in_chunks and not result["gradient_checkpointing"]:
+    loss_could_be_chunked = result["vocabulary_kept_sharded"] and not result["lm_loss_in_chunks"]
+    if loss_could_be_chunked and not result["gradient_checkpointing"]:
         found.append(
             "xla_fsdp_lm_loss_in_chunks: true in the --config_file: the loss computed from lm_head's "
             "chunks, the logits and their gradient never whole (Llama-3.2-1B, fp32, not checkpointed, "

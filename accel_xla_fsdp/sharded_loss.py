@@ -104,9 +104,7 @@ class _CrossEntropyFromShard(torch.autograd.Function):
         previous: List[torch.Tensor] = []
         for start, stop in row_chunks(table, x.size(1)):
             (part,) = chained_after(previous, [weight[start:stop]])
-            ids = _column_ids(table, start, stop, x.device)
-            # The chunk's logits, upcast as ForCausalLMLoss upcasts them.
-            scores = chunk_product(table, x, table.all_gather(part), start, stop).float()
+            ids, scores = _chunk_logits(table, x, table.all_gather(part), start, stop)
             scores = scores.masked_fill(ids >= table.rows, float("-inf"))
             new_top = torch.maximum(top, scores.amax(dim=(1, 2)))
             total = total * torch.exp(top - new_top) + torch.exp(scores - new_top.view(-1, 1, 1)).sum(dim=(1, 2))
@@ -137,14 +135,21 @@ class _CrossEntropyFromShard(torch.autograd.Function):
         for start, stop in row_chunks(table, x.size(1)):
             (part,) = chained_after(previous, [weight[start:stop]])
             rows = table.all_gather(part)
-            ids = _column_ids(table, start, stop, x.device)
-            scores = chunk_product(table, x, rows, start, stop).float()
+            ids, scores = _chunk_logits(table, x, rows, start, stop)
             probs = torch.exp(scores - log_sum_exp).masked_fill(ids >= table.rows, 0.0)
             # The logits' gradient in their dtype (the compute dtype), as autograd's through the
             # upcast in ForCausalLMLoss.
             grad = (probs * scale - torch.where(ids == labels, scale, 0.0)).to(weight.dtype)
             previous = grads.add(grad, lambda: rows, start, stop)
         return (*grads.result(input.shape), None, None, None, None)
+
+
+def _chunk_logits(
+    table: ShardedTable, x: torch.Tensor, rows: torch.Tensor, start: int, stop: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's columns of the logits, upcast as ForCausalLMLoss upcasts them ([tokens, replicas,
+    stop - start]; ``rows`` its gathered rows of lm_head), and each column's vocabulary id."""
+    return _column_ids(table, start, stop, x.device), chunk_product(table, x, rows, start, stop).float()
 
 
 def _column_ids(table: ShardedTable, start: int, stop: int, device: torch.device) -> torch.Tensor:
