@@ -528,9 +528,10 @@ def hints(result: Dict[str, Any]) -> List[str]:
         found.append("gradient checkpointing (--gradient-checkpointing): activations recomputed in backward")
     if result["batch_per_chip"] > 1:
         found.append("a smaller per-chip batch (--batch), with gradient accumulation for the same global batch")
-    # Only without checkpointing: checkpointed, the real models' steps planned more with it.
+    # Only in fp32 without checkpointing: checkpointed, the real models' steps planned more with it,
+    # and Llama-3.2-1B's bf16 step no less (11.87 against 11.86 GiB on v5e-8; docs/tpu.md).
     loss_could_be_chunked = result["vocabulary_kept_sharded"] and not result["lm_loss_in_chunks"]
-    if loss_could_be_chunked and not result["gradient_checkpointing"]:
+    if loss_could_be_chunked and result["precision"] == "fp32" and not result["gradient_checkpointing"]:
         found.append(
             "xla_fsdp_lm_loss_in_chunks: true in the --config_file: the loss computed from lm_head's "
             "chunks, the logits and their gradient never whole (Llama-3.2-1B, fp32, not checkpointed, "

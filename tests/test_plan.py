@@ -158,7 +158,9 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
         "xla_fsdp_lm_loss_in_chunks:",
         "more",
     ]
-    result.update(lm_loss_in_chunks=True)
+    result.update(precision="bf16")  # where it did not lower the real model's step
+    assert [h.split(" ")[0] for h in plan.hints(result)] == ["gradient", "a", "more"]
+    result.update(precision="fp32", lm_loss_in_chunks=True)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["bf16", "gradient", "a", "more"]
     result.update(vocabulary_kept_sharded=False, lm_loss_in_chunks=False)
     result.update(precision="bf16", gradient_checkpointing=True, batch_per_chip=1)

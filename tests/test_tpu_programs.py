@@ -369,7 +369,7 @@ def test_lm_head_gradient_shard_is_written_in_place(compiled, topology: str) -> 
 def test_temp_at_peak_counts_a_buffer_updated_in_place_once(tmp_path: Path) -> None:
     """A value updated in place (``b`` from ``a``: torch_xla's slice assignment) ends and starts at
     the same step and offset: one buffer there, listed as the newer value; other memory spaces
-    (color 1, VMEM) are left out."""
+    (color 1, VMEM) are left out. The heap is the main temp allocation's size."""
     from accel_xla_fsdp.tpu_compiler import temp_at_peak
 
     (tmp_path / "m.after_optimizations-buffer-assignment.txt").write_text(
@@ -385,6 +385,6 @@ def test_temp_at_peak_counts_a_buffer_updated_in_place_once(tmp_path: Path) -> N
     (tmp_path / "m.after_optimizations-live-range.txt").write_text(
         "HloLiveRange (max 6):\n  BufferLiveRange:\n    a{}:0-3\n    b{}:3-6\n    c{}:3-4\n    d{}:5-5\n    v{}:0-6\n"
     )
-    step, peak, held = temp_at_peak(str(tmp_path))
-    assert (step, peak) == (3, 1500)  # counting a and b apart: 2500
-    assert [(v.name, v.size) for v in held] == [("b{}", 1000), ("c{}", 500)]
+    peak = temp_at_peak(str(tmp_path))
+    assert (peak.step, peak.live, peak.heap) == (3, 1500, 3000)  # counting a and b apart: 2500
+    assert [(v.name, v.size) for v in peak.held] == [("b{}", 1000), ("c{}", 500)]
