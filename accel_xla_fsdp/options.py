@@ -203,14 +203,14 @@ class FsdpOptions:
         "running log-sum-exp and the labels' logits; backward computes each chunk's logits again "
         "and makes its part of the gradients from them (sharded_loss.py). The logits the model "
         "returns are computed only if the script keeps them. Equal to transformers' loss to "
-        "rounding, not bit for bit. Off by default: on v5e-8 it lowers issue 25's 4-layer Llama "
-        "from 485.0 to 439.5 MB per chip in fp32 (SPMD FSDPv2: 428.6) and from 299.9 to 252.4 "
-        "checkpointed (219.0), but the real models' checkpointed steps plan a little more "
-        "(Llama-3.1-8B: fp32 on v6e-8 temp 4,760.6 against 4,547.9 MiB, bf16 on v5e-8 9.83 against "
-        "9.70 GiB), the compiler packing their heaps no tighter for the logits gone. Without "
-        "checkpointing Llama-3.2-1B's fp32 step plans 13.36 against 13.94 GiB on v5e-8, at 1.089x "
-        "the traffic floor: lm_head's own forward gathers stay in the program; its bf16 step (sdpa) "
-        "11.87 against 11.86 (docs/tpu.md).",
+        "rounding, not bit for bit. Off by default: on v5e-8 issue 25's 4-layer Llama plans 439.5 "
+        "MB per chip with it in fp32 against the default's 427.5 (SPMD FSDPv2: 428.6; small logits "
+        "are written in place) and 252.4 against 252.6 checkpointed, and the real models' "
+        "checkpointed steps a little more (Llama-3.1-8B: fp32 on v6e-8 temp 4,760.6 against 4,547.9 "
+        "MiB, bf16 on v5e-8 9.83 against 9.70 GiB), the compiler packing their heaps no tighter for "
+        "the logits gone. Without checkpointing Llama-3.2-1B's fp32 step plans 13.36 against 13.94 "
+        "GiB on v5e-8, at 1.089x the traffic floor: lm_head's own forward gathers stay in the "
+        "program; its bf16 step (sdpa) 11.87 against 11.86 (docs/tpu.md).",
     )
 
     def __post_init__(self) -> None:

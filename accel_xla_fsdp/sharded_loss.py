@@ -20,9 +20,11 @@ setter, and only for logits that are lm_head's output as it made them (``note_lo
 of the user's, a bias added to the logits or Gemma-2's soft-capping leave the loss to transformers.
 The loss equals transformers' to rounding: the log-sum-exp is added up a chunk at a time.
 
-Off by default: the TPU compiler plans issue 25's small Llama in less with it (its fp32 peak is
-the logits), but not the real models' fp32 steps, whose peak moves into a decoder layer's backward
-while the heap is packed no tighter (docs/tpu.md, "The loss from lm_head's chunks").
+Off by default: the TPU compiler planned issue 25's small Llama in less with it while its f32
+logits were in HBM at the peak (since they are written in place, on chip, the default plans less),
+and it plans the real models' checkpointed steps a little more: their peak moves into a decoder
+layer's backward while the heap is packed no tighter (docs/tpu.md, "The loss from lm_head's
+chunks").
 """
 
 from __future__ import annotations

@@ -167,6 +167,17 @@ def chained_after(previous: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
     return _xla.optimization_barrier_(previous, read_only=tensors) if previous else tensors
 
 
+# Logits of at most this many bytes a chip are written a chunk at a time with index_copy_, which
+# torch_xla traces as a scatter the TPU compiler does in place and keeps on chip: issue 25's Llama
+# (512 tokens, vocabulary 32,000; 65.5 MB in f32) then plans less than SPMD FSDPv2 on v5e-8, where
+# the slice assignments' select fusions put the f32 logits in HBM at the step's peak (232 MB less
+# over 10 of its 16 steps on four slices, 26 MB more over 6). Larger ones (a real model's: 525 MB
+# for Llama-3 at 2,048 tokens in bf16) cannot be on chip, and in place they planned more
+# (Llama-3.1-8B on v5e-8, Llama-3.2-1B in fp32), so they keep the slice assignments (docs/tpu.md,
+# "Small logits written in place").
+IN_PLACE_LOGITS_BYTES = 64 << 20
+
+
 class _LinearFromShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, shard: torch.Tensor, table: ShardedTable) -> torch.Tensor:
@@ -176,17 +187,24 @@ class _LinearFromShard(torch.autograd.Function):
         ctx.table, ctx.input_shape = table, input.shape
         # The logits as [tokens, vocabulary], each chunk's columns assigned into them: built as
         # [tokens, replica, row of its part] they were a second copy on a TPU, where a part's rows
-        # are not whole 128-wide tiles (docs/tpu.md, "v6e"). torch_xla traces the assignment as a
-        # pad and a select, not in place; index_copy_ or a dynamic-update-slice, which are, planned
-        # more for Llama-3.1-8B (docs/tpu.md, "The logits written in place").
+        # are not whole 128-wide tiles (docs/tpu.md, "v6e"). torch_xla traces a slice assignment as
+        # a pad and a select, not in place; small logits are written in place instead (below).
         columns = x.new_empty(x.size(0), table.rows)
+        in_place = columns.numel() * columns.element_size() <= IN_PLACE_LOGITS_BYTES
         previous: List[torch.Tensor] = []
         for start, stop in row_chunks(table, x.size(1)):
             (part,) = chained_after(previous, [weight[start:stop]])
             product = chunk_product(table, x, table.all_gather(part), start, stop)
-            for replica, (first, last) in enumerate(table.group.chunk_column_spans(start, stop, table.rows)):
-                if first < last:
-                    columns[:, first:last] = product[:, replica, : last - first]
+            spans = table.group.chunk_column_spans(start, stop, table.rows)
+            if in_place:
+                # Only the last replica's part has padding rows, at its end: the chunk's own
+                # columns are a prefix of the product's, replica by replica.
+                index = torch.cat([torch.arange(first, last, device=x.device) for first, last in spans])
+                columns.index_copy_(1, index, product.reshape(x.size(0), -1)[:, : index.numel()])
+            else:
+                for replica, (first, last) in enumerate(spans):
+                    if first < last:
+                        columns[:, first:last] = product[:, replica, : last - first]
             previous = [columns]
         # A barrier on the logits: without it the TPU compiler fused their making with the loss's
         # `logits.float()` into an f32 copy of the logits, held until the loss's backward read it

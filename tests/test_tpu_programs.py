@@ -281,6 +281,11 @@ def _logits_sized(optimized: str, vocabulary: int) -> List[Tuple[str, List[int]]
     computation makes (its buffers: a fusion's inner values are not; these steps have no loops).
     lm_head's shard and its gradient's chunks are as many elements, but 128 wide (the hidden
     size), and are left out."""
+    return [(dtype, dims) for _, dtype, dims in _logits_makers(optimized, vocabulary)]
+
+
+def _logits_makers(optimized: str, vocabulary: int) -> List[Tuple[str, str, List[int]]]:
+    """``_logits_sized``, with the name of the instruction making each."""
     from accel_xla_fsdp.tpu_compiler import _ARRAY, _INSTRUCTION
 
     sized = []
@@ -288,7 +293,7 @@ def _logits_sized(optimized: str, vocabulary: int) -> List[Tuple[str, List[int]]
         for array in _ARRAY.finditer(m["shape"]):
             dims = [int(d) for d in array["dims"].split(",") if d]
             if math.prod(dims) == TOKENS * vocabulary and dims[-1] != 128:
-                sized.append((array["dtype"], dims))
+                sized.append((m["name"], array["dtype"], dims))
     return sized
 
 
@@ -320,6 +325,24 @@ def test_the_loss_from_lm_heads_chunks_never_makes_the_logits(compiled, topology
     kinds = {kind: c["count"] for kind, c in chunked["collectives"].items()}
     expected = {kind: c["count"] for kind, c in whole["collectives"].items()}
     assert kinds == {**expected, "all-gather": expected["all-gather"] + 2}
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_small_logits_are_written_in_place(compiled, topology: str) -> None:
+    """keep_vocabulary_sharded, logits of at most ``IN_PLACE_LOGITS_BYTES`` a chip: each chunk's
+    columns are scattered into them, which the compiler does in place, not assigned (a select
+    fusion writing a new buffer the logits' size each time). Larger logits, a real model's, are
+    assigned (the bf16 step here is traced as one): in place they planned more (docs/tpu.md, "The
+    logits written in place")."""
+
+    def writes(name: str, vocabulary: int) -> List[str]:
+        optimized = Path(compiled[name, topology]["optimized"]).read_text()
+        makers = [maker for maker, _, _ in _logits_makers(optimized, vocabulary)]
+        # fusions are named by their ops: scatter_fusion, pad_select_fusion.8, ...
+        return sorted({op for maker in makers for op in ("scatter", "select") if op in maker.split("_")})
+
+    assert writes("vocabulary_sharded", 16384) == ["scatter"]
+    assert writes("vocabulary_sharded_bf16", 16000) == ["select"]
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

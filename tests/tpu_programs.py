@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 from accel_xla_fsdp import XlaFullyShardedDataParallel as FSDP
-from accel_xla_fsdp import _xla, checkpoint_module, seeded, tpu_program, transformer_block_policy
+from accel_xla_fsdp import _xla, checkpoint_module, seeded, sharded_tables, tpu_program, transformer_block_policy
 from accel_xla_fsdp.construction import PlaceholderShards
 
 SEQ, BATCH = 16, 2
@@ -140,6 +140,9 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
     "no_sync": (lambda: per_layer(), 2, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }
+# Programs whose logits are written as a real model's are (slice assignments), though at 32 tokens
+# they are small enough to be written in place (sharded_tables.IN_PLACE_LOGITS_BYTES).
+AS_LARGE_LOGITS = {"vocabulary_sharded_bf16", "vocabulary_sharded_loss_in_chunks"}
 # name -> (dtype, whole (16, 128) tiles of each chip's part): single gradients' reduce-scatters
 # (reduce_scatter_sum, as FSDP issues them) that the old chunks of 12 MiB made all-reduces on 4
 # chips: the compiler splits a part above 228 tiles into equal pieces ([Note: TPU reduce-scatter
@@ -152,6 +155,15 @@ assert LlamaDecoderLayer and LlamaMLP  # imported before any tracing: transforme
 
 
 def export(name: str, out: Path) -> dict:
+    in_place_bytes = sharded_tables.IN_PLACE_LOGITS_BYTES
+    sharded_tables.IN_PLACE_LOGITS_BYTES = -1 if name in AS_LARGE_LOGITS else in_place_bytes
+    try:
+        return _export(name, out)
+    finally:
+        sharded_tables.IN_PLACE_LOGITS_BYTES = in_place_bytes
+
+
+def _export(name: str, out: Path) -> dict:
     gc.collect()  # the previous configuration's tensors, pending collectives and all
     build, micro, kind = CONFIGS[name]
     model = build()
