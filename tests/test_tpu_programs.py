@@ -332,7 +332,7 @@ def test_small_logits_are_written_in_place(compiled, topology: str) -> None:
     """keep_vocabulary_sharded, logits of at most ``IN_PLACE_LOGITS_BYTES`` a chip: each chunk's
     columns are scattered into them, which the compiler does in place, not assigned (a select
     fusion writing a new buffer the logits' size each time). Larger logits, a real model's, are
-    assigned (the bf16 step here is traced as one): in place they planned more (docs/tpu.md, "The
+    assigned (the bf16 step here is traced as one): in place they planned more (docs/tpu.md, "Small
     logits written in place")."""
 
     def writes(name: str, vocabulary: int) -> List[str]:
