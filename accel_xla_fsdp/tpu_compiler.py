@@ -254,8 +254,8 @@ class LiveValue:
 @dataclass(frozen=True)
 class TempPeak:
     """The main temp allocation (HBM: color 0) at its peak. Its size (``heap``) is where the heap
-    simulator packed the values; ``heap - live`` of it is unused at the peak. In the 27 steps read
-    so (18 of ours, 9 of SPMD FSDPv2's, temps from 38 MB to 13 GB), the temp the compiler reported
+    simulator packed the values; ``heap - live`` of it is unused at the peak. In the 31 steps read
+    so (20 of ours, 11 of SPMD FSDPv2's, temps from 38 MB to 13 GB), the temp the compiler reported
     was ``2 * heap - live`` to within 1 MB (5 MB at 12-13 GB): the unused part counts twice, so
     packing weighs as much as what is live (docs/tpu.md, "What the compiler's temp is"). The tests' small steps
     (heaps of 3-4 MB) do not all follow it: the dim0 step's temp is reported as 0."""
