@@ -287,7 +287,8 @@ def temp_at_peak(dump_dir: str) -> TempPeak:
         allocation = _ALLOCATION.match(line)
         if allocation:
             in_temp = allocation["kind"] == "preallocated-temp:"  # color 0; others say "color N, "
-            heap = int(allocation["size"]) if in_temp else heap
+            if in_temp:
+                heap = int(allocation["size"])
             continue
         value = _VALUE.match(line) if in_temp else None
         if value:
