@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -343,34 +342,6 @@ def run_trace(request: Request, engine: str, workdir: Path) -> Tuple[Path, Dict[
     return program_path(spec), json.loads(spec_path.with_suffix(".out.json").read_text())
 
 
-# The compiler's refusal of a step beyond HBM ([Note: steps beyond HBM]), in its two wordings:
-# the temporaries over the HBM it has, and the whole use over it (seen with the compiler's HBM
-# capped, LIBTPU_INIT_ARGS=--xla_tpu_max_hbm_size_mib=N). "G" is GiB, "M" MiB.
-_OUT_OF_HBM = (
-    re.compile(
-        r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)(?P<required_unit>[KMG])\) "
-        r"exceeds available HBM \((?P<available>[0-9.]+)(?P<available_unit>[KMG])\)"
-    ),
-    re.compile(
-        r"Ran out of memory in memory space hbm\. Used (?P<required>[0-9.]+)(?P<required_unit>[KMG]) "
-        r"of (?P<available>[0-9.]+)(?P<available_unit>[KMG]) hbm"
-    ),
-)
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": GIB}
-
-
-def compiler_refusal(stderr: str) -> Optional[Dict[str, Any]]:
-    """The compiler's refusal of a step beyond HBM, from its output: its words, the bytes it
-    needed at least and the HBM it had; None if it refused none."""
-    for pattern in _OUT_OF_HBM:
-        found = pattern.search(stderr)
-        if found:
-            required = float(found["required"]) * _UNITS[found["required_unit"]]
-            available = float(found["available"]) * _UNITS[found["available_unit"]]
-            return {"refused": found[0], "required": required, "available": available}
-    return None
-
-
 def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
     """``spmd``: the program is an SPMD trace, which the compiler partitions over the chips."""
     print(f"plan: compiling the step for {request.slice.name}", file=sys.stderr, flush=True)
@@ -383,9 +354,9 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
             "takes more than the model's size suggests (Llama-3.1-70B's step on 8 chips: over 23 GiB here); "
             "run plan on a machine with more memory"
         )
-    refused = compiler_refusal(done.stderr)
+    refused = tpu_compiler.compiler_refusal(done.stderr)
     if refused:  # [Note: steps beyond HBM]
-        return refused
+        return asdict(refused)
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))

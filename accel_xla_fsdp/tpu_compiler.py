@@ -8,8 +8,9 @@ each carry an XLA), and nothing from this package.
 
 Prints per chip: the compiler's memory plan (argument, output, alias, temp, generated code, and
 peak = argument + output - alias + temp) and the collectives of the optimized program, each kind
-with its count, its bytes and its traffic per the ring model. How the TPU compiler is driven is
-in /work/shared/notes/tpu-compiler.md and docs/tpu.md.
+with its count, its bytes and its traffic per the ring model. ``--smallest-hbm`` finds instead
+the smallest HBM each program compiles in ([Note: the smallest HBM a step compiles in]). How the
+TPU compiler is driven is in /work/shared/notes/tpu-compiler.md and docs/tpu.md.
 
 [Note: counting TPU collectives]
 The TPU compiler makes collectives asynchronous: ``all-gather-start``/``all-gather-done``, and it
@@ -31,11 +32,13 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import re
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 # name -> (topology_name, chip_config_name): the slices users rent, by chips. A "v4-8" is 4 chips
 # of two cores each, "megacore" making each chip one device, as on a real v4 slice.
@@ -100,6 +103,12 @@ class Report:
 
     def to_json(self) -> dict:
         return {**asdict(self), "ring_bytes": self.ring_bytes}
+
+    @classmethod
+    def from_json(cls, figures: dict) -> "Report":
+        known = {k: v for k, v in figures.items() if k in cls.__dataclass_fields__}
+        known["collectives"] = {k: CollectiveKind(**c) for k, c in known["collectives"].items()}
+        return cls(**known)
 
 
 def array_bytes(shape: str) -> List[int]:
@@ -254,11 +263,12 @@ class LiveValue:
 @dataclass(frozen=True)
 class TempPeak:
     """The main temp allocation (HBM: color 0) at its peak. Its size (``heap``) is where the heap
-    simulator packed the values; ``heap - live`` of it is unused at the peak. In the 31 steps read
-    so (20 of ours, 11 of SPMD FSDPv2's, temps from 38 MB to 13 GB), the temp the compiler reported
-    was ``2 * heap - live`` to within 1 MB (5 MB at 12-13 GB): the unused part counts twice, so
-    packing weighs as much as what is live (docs/tpu.md, "What the compiler's temp is"). The tests' small steps
-    (heaps of 3-4 MB) do not all follow it: the dim0 step's temp is reported as 0."""
+    simulator packed the values; ``heap - live`` of it is unused at the peak, what the compiler's
+    out-of-memory report calls fragmentation. The temp it reports is the heap plus that
+    fragmentation, ``2 * heap - live`` (to within 1 MB in 31 steps of 38 MB to 13 GB; not in all of
+    the tests' steps, of 3-4 MB: the dim0 step's is reported as 0), where what it checks against the chip holds
+    the heap once ([Note: the smallest HBM a step compiles in]; docs/tpu.md, "What the
+    compiler's temp is")."""
 
     step: int  # of the schedule
     live: int  # bytes of the values live there
@@ -346,8 +356,141 @@ def format_temp(peak: TempPeak, top: int) -> str:
     return "\n".join(lines)
 
 
+# [Note: the smallest HBM a step compiles in]
+# With HBM to spare the compiler plans loosely. It keeps generated code in HBM ("overlays": 129
+# MiB for issue 25's Llama, fp32, checkpointed, on v5e-8; 31 MiB under a cap), and it leaves room
+# in the temp heap. Its ``temp_size_in_bytes`` is that heap plus the heap's fragmentation at its
+# peak, while what it checks against the chip is arguments + heap + overlays + scoped + global
+# (its own out-of-memory report names each; docs/tpu.md, "What the compiler's temp is"). Under
+# --xla_tpu_max_hbm_size_mib=N (LIBTPU_INIT_ARGS, read as libtpu loads: one process per cap) it
+# packs to fit N MiB of usable HBM, or refuses with what it used. The smallest N a step compiles
+# under is what the step needs; a chip's usable HBM is its HBM less the runtime's reserve (v5e:
+# 15.75 GiB of 16).
+
+# Its refusals of a step beyond HBM, in its two wordings: the temporaries over the HBM it has (a
+# check it makes early, seconds into a compile), and all it used, when it planned the step and
+# found it too large. "M" is MiB, "G" GiB.
+_OUT_OF_HBM = (
+    re.compile(
+        r"Ran out of memory on HBM, [^\n]*?\((?P<required>[0-9.]+)(?P<required_unit>[KMG])\) "
+        r"exceeds available HBM \((?P<available>[0-9.]+)(?P<available_unit>[KMG])\)"
+    ),
+    re.compile(
+        r"Ran out of memory in memory space hbm\. Used (?P<required>[0-9.]+)(?P<required_unit>[KMG]) "
+        r"of (?P<available>[0-9.]+)(?P<available_unit>[KMG]) hbm"
+    ),
+)
+# The second wording goes on with what it used, by part: "    HLO temp   39.75M (100.0% ...)".
+_PART = re.compile(r"^\s+(?P<kind>arguments|program|HLO temp|overlays|scoped|global)\s+(?P<words>[0-9.]+[KMG].*)$")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Refusal:
+    refused: str  # the compiler's words
+    required: float  # bytes it needed at least; with HBM capped, what it used when it gave up
+    available: float  # bytes of HBM it had
+    parts: Dict[str, str] = field(default_factory=dict)  # its words for each part of what it used
+
+
+@dataclass(frozen=True)
+class SmallestHbm:
+    cap_mib: int  # the smallest --xla_tpu_max_hbm_size_mib the step compiles under
+    report: Report  # its plan under that cap
+    refusal: Optional[Refusal]  # the compiler's account 1 MiB below, when it was compiled there
+    compiles: int
+
+
+def compiler_refusal(stderr: str) -> Optional[Refusal]:
+    """The compiler's refusal of a step beyond HBM, from a failed compile's output; None if it
+    refused none."""
+    for pattern in _OUT_OF_HBM:
+        found = pattern.search(stderr)
+        if found:
+            required = float(found["required"]) * _UNITS[found["required_unit"]]
+            available = float(found["available"]) * _UNITS[found["available_unit"]]
+            parts: Dict[str, str] = {}
+            for line in stderr.splitlines():
+                part = _PART.match(line)
+                if part:
+                    parts.setdefault(part["kind"], " ".join(part["words"].split()))
+            return Refusal(found[0], required, available, parts)
+    return None
+
+
+def compile_capped(program: str, topology: str, spmd: bool, cap_mib: Optional[int]) -> Union[Report, Refusal]:
+    """Compile ``program`` in a process of its own, under ``cap_mib`` of HBM if given: its
+    report, or the compiler's refusal."""
+    env = dict(os.environ)
+    if cap_mib is not None:
+        env["LIBTPU_INIT_ARGS"] = f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_tpu_max_hbm_size_mib={cap_mib}".strip()
+    cmd = [sys.executable, os.path.abspath(__file__), program, "--topology", topology, "--json"]
+    done = subprocess.run(cmd + (["--spmd"] if spmd else []), env=env, capture_output=True, text=True)
+    if done.returncode == 0:
+        return Report.from_json(json.loads(done.stdout.splitlines()[-1]))
+    refusal = compiler_refusal(done.stderr)
+    if refusal is None:
+        raise RuntimeError(f"compiling {program} for {topology} failed:\n{done.stderr[-3000:]}")
+    return refusal
+
+
+def smallest_hbm(program: str, topology: str, spmd: bool = False) -> SmallestHbm:
+    """The smallest HBM cap, to the MiB, under which the compiler accepts ``program``: a search
+    between its arguments (too little) and its plan with HBM to spare, trying first, after each
+    refusal, what the compiler said it used."""
+    free = compile_capped(program, topology, spmd, None)
+    if isinstance(free, Refusal):
+        raise RuntimeError(f"the compiler refused {program} for {topology} with all of HBM: {free.refused}")
+    low = free.argument // MIB
+    high = math.ceil((free.peak + free.code) / MIB) + 16
+    refusals: Dict[int, Refusal] = {}
+    compiled = compile_capped(program, topology, spmd, high)
+    while isinstance(compiled, Refusal):  # capped at its plan with room to spare, it may not fit: widen
+        refusals[high] = compiled
+        low, high = high, math.ceil(high * 1.25)
+        compiled = compile_capped(program, topology, spmd, high)
+    best, compiles = compiled, 2 + len(refusals)
+    while high - low > 1:
+        hint = math.ceil(refusals[low].required / MIB) if low in refusals else None
+        cap = hint if hint is not None and low < hint < high else (low + high) // 2
+        outcome = compile_capped(program, topology, spmd, cap)
+        compiles += 1
+        if isinstance(outcome, Refusal):
+            low, refusals[cap] = cap, outcome
+        else:
+            high, best = cap, outcome
+    return SmallestHbm(high, best, refusals.get(high - 1), compiles)
+
+
+def format_smallest(found: SmallestHbm) -> str:
+    r = found.report
+    lines = [
+        f"  smallest HBM it compiles in: {found.cap_mib:,} MiB ({found.compiles} compiles); under that cap: "
+        f"temp {r.temp / MIB:,.1f} MiB, code {r.code / MIB:,.1f} MiB, peak {r.peak / MIB:,.1f} MiB"
+    ]
+    if found.refusal:
+        parts = "; ".join(f"{kind} {words}" for kind, words in found.refusal.parts.items())
+        lines.append(f"  1 MiB less refused: {found.refusal.refused}: {parts}")
+    return "\n".join(lines)
+
+
 # One compiling process at a time on a machine: a large model's compile takes many GB here.
 LOCK = "/tmp/accel_xla_fsdp_tpu_compiler.lock"
+
+
+def print_smallest(args: argparse.Namespace) -> int:
+    # No lock here: each compile is a process of its own, which takes it.
+    for path in args.programs:
+        for topology in args.topology:
+            found = smallest_hbm(path, topology, spmd=args.spmd)
+            if args.json:
+                refusal = asdict(found.refusal) if found.refusal else None
+                figures = {"smallest_hbm_mib": found.cap_mib, "compiles": found.compiles, "refused_below": refusal}
+                print(json.dumps({"program": path, "topology": topology, **figures, "at_cap": found.report.to_json()}))
+            else:
+                print(f"{path}: {topology}\n{format_smallest(found)}", flush=True)
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -361,7 +504,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--temp", type=int, metavar="N", help="print the N largest values live at the temp's peak (needs --dump-to)"
     )
+    parser.add_argument(
+        "--smallest-hbm",
+        action="store_true",
+        help="find the smallest HBM (MiB) each program compiles in, one capped compile per process",
+    )
     args = parser.parse_args(argv)
+    if args.smallest_hbm:
+        return print_smallest(args)
     lock = open(LOCK, "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
     n = 0

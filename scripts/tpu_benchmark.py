@@ -27,6 +27,9 @@ stay f32), ``torch.autocast("xla", torch.bfloat16)`` for SPMD (it has no compute
 Every trace and compile is a process of its own (a fresh model, torch_xla and jaxlib apart);
 ``--lock FILE`` runs each under ``flock FILE`` (a shared machine's large-memory lock: a 4-layer
 step needs 2-4 GB). Peak = argument + output - alias + temp, per chip, as ``tpu_compiler`` reports.
+``--smallest-hbm`` adds the smallest HBM each step compiles in, the compiler capped (``tpu_compiler``'s
+[Note: the smallest HBM a step compiles in]): what the step needs, where the peak is what the
+compiler plans with HBM to spare.
 """
 
 from __future__ import annotations
@@ -202,13 +205,19 @@ def run_trace(args: argparse.Namespace, variant: str, precision: str, chips: int
     return path
 
 
-def run_compile(args: argparse.Namespace, programs: Sequence[Path], topology: str, spmd: bool) -> List[dict]:
+def run_compile(
+    args: argparse.Namespace, programs: Sequence[Path], topology: str, spmd: bool, smallest: bool = False
+) -> List[dict]:
+    """The compiler's report of each program; with ``smallest``, the smallest HBM each compiles in."""
     python = ROOT / ".tpu-venv" / "bin" / "python"
     cmd = [str(python), str(ROOT / "accel_xla_fsdp" / "tpu_compiler.py"), *map(str, programs)]
     cmd += ["--topology", topology, "--json"] + (["--spmd"] if spmd else [])
-    if args.dump_to:
+    if smallest:
+        cmd += ["--smallest-hbm"]
+    elif args.dump_to:
         cmd += ["--dump-to", f"{args.dump_to}/{topology}{'-spmd' if spmd else ''}", "--temp", str(args.temp)]
-    print(f"compiling {len(programs)} programs for {topology}", file=sys.stderr, flush=True)
+    what = "the smallest HBM of" if smallest else "compiling"
+    print(f"{what} {len(programs)} programs for {topology}", file=sys.stderr, flush=True)
     done = subprocess.run(_locked(cmd, args.lock), capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"compiling failed:\n{done.stderr[-4000:]}")
@@ -222,12 +231,15 @@ def collectives(report: dict) -> str:
 
 def table(rows: List[dict]) -> str:
     mb = 1e6
-    lines = [
-        "| topology | precision | program | argument | output | alias | temp | peak | collectives | ring traffic |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
-    ]
+    smallest = any("smallest_hbm_mib" in r for r in rows)
+    head = "| topology | precision | program | argument | output | alias | temp | peak |"
+    rule = "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    head += " smallest HBM (MiB) |" if smallest else ""
+    rule += " ---: |" if smallest else ""
+    lines = [head + " collectives | ring traffic |", rule + " --- | ---: |"]
     for r in rows:
         figures = " | ".join(f"{r[k] / mb:,.1f}" for k in ("argument", "output", "alias", "temp", "peak"))
+        figures += f" | {r.get('smallest_hbm_mib', '')}" if smallest else ""
         floor = f" ({r['ring_bytes'] / r['floor']:.3f}x floor)" if r.get("floor") else ""
         lines.append(
             f"| {r['topology']} | {r['precision']} | {VARIANTS[r['variant']].label} | {figures} | "
@@ -288,6 +300,11 @@ def main() -> None:
     p.add_argument("--dump-to", help="keep the compiler's dumps (buffer assignments) under this directory")
     p.add_argument("--temp", type=int, default=8, help="with --dump-to: print the N largest values at the temp's peak")
     p.add_argument("--keep", help="keep the traced programs in this directory")
+    p.add_argument(
+        "--smallest-hbm",
+        action="store_true",
+        help="also the smallest HBM each step compiles in (tpu_compiler.py --smallest-hbm; 5-10 compiles each)",
+    )
     p.add_argument("--plot", help="write the plot here (png)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--verbose", action="store_true", help="show the traces' output")
@@ -313,9 +330,14 @@ def main() -> None:
             if not mine:
                 continue
             reports = run_compile(args, list(mine.values()), topology, spmd)
-            for (variant, precision), report in zip(mine, reports):
+            smallest = []
+            if args.smallest_hbm:
+                smallest = run_compile(args, list(mine.values()), topology, spmd, smallest=True)
+            for n, ((variant, precision), report) in enumerate(zip(mine, reports)):
                 floor = json.loads(mine[variant, precision].with_suffix(".json").read_text())["floor"]
                 rows.append({**report, "variant": variant, "precision": precision, "floor": floor})
+                if smallest:
+                    rows[-1]["smallest_hbm_mib"] = smallest[n]["smallest_hbm_mib"]
     order = {v: i for i, v in enumerate(VARIANTS)}
     rows.sort(key=lambda r: (r["topology"], PRECISIONS.index(r["precision"]), order[r["variant"]]))
     model = f"Llama hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}"

@@ -19,7 +19,7 @@ import pytest
 from test_tpu_programs import tpu_python  # noqa: F401  (the fixture)
 from transformers import CLIPTextConfig, LlamaConfig
 
-from accel_xla_fsdp import cli, plan
+from accel_xla_fsdp import cli, plan, tpu_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 TPU_PLUGIN = str(ROOT / "plugins" / "xla_fsdp_tpu.yaml")
@@ -297,35 +297,51 @@ def _refused(required: float, available: float) -> plan.Step:
         "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
         f"required for HLO temporaries ({required}G) exceeds available HBM ({available}G).\n"
     )
-    refused = plan.compiler_refusal(stderr)
-    assert refused is not None and (refused["required"], refused["available"]) == (required * GIB, available * GIB)
-    why = f"the TPU compiler refused it: {refused['refused']}"
+    refused = tpu_compiler.compiler_refusal(stderr)
+    assert refused is not None and (refused.required, refused.available) == (required * GIB, available * GIB)
+    why = f"the TPU compiler refused it: {refused.refused}"
     return plan.Step.beyond_hbm(12.9 * GIB, required * GIB, 1.0, why, available * GIB)
 
 
 def test_the_compilers_other_refusal_is_read_too() -> None:
     """The compiler's other wording, seen with its HBM capped (LIBTPU_INIT_ARGS=
     --xla_tpu_max_hbm_size_mib=13500: Llama-3.1-8B, bf16, checkpointed, v5p-8), and either
-    wording in MiB, were reported as the compiler failing. M is MiB, G GiB."""
+    wording in MiB, were reported as the compiler failing. M is MiB, G GiB. The parts of what it
+    used are read as it words them."""
     stderr = (
         "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
         "memory space hbm. Used 13.33G of 13.18G hbm. Exceeded hbm capacity by 147.14M.\n"
     )
-    refused = plan.compiler_refusal(stderr)
-    assert refused == {
-        "refused": "Ran out of memory in memory space hbm. Used 13.33G of 13.18G hbm",
-        "required": 13.33 * GIB,
-        "available": 13.18 * GIB,
+    refused = tpu_compiler.compiler_refusal(stderr)
+    assert refused == tpu_compiler.Refusal(
+        "Ran out of memory in memory space hbm. Used 13.33G of 13.18G hbm", 13.33 * GIB, 13.18 * GIB
+    )
+    parts = (  # issue 25's Llama, fp32, checkpointed, v5e-8, under a 235 MiB cap
+        "Total hbm usage >= 497.58M:\n    reserved        258.00M \n    program          72.11M \n"
+        "    arguments       167.47M \n\nOutput size 167.46M; shares 167.46M with arguments.\n\n"
+        "Program hbm requirement 72.11M:\n    global           336.5K\n    scoped            1.00M\n"
+        "    HLO temp         39.75M (100.0% utilization: Unpadded (25.38M) Padded (25.38M), 36.2% "
+        "fragmentation (14.38M))\n    overlays         31.03M\n\n  Largest program allocations in hbm:\n"
+        "     Allocation type: HLO temp\n"
+    )
+    itemized = tpu_compiler.compiler_refusal(stderr + parts)
+    assert itemized is not None and itemized.parts == {
+        "program": "72.11M",
+        "arguments": "167.47M",
+        "global": "336.5K",
+        "scoped": "1.00M",
+        "HLO temp": "39.75M (100.0% utilization: Unpadded (25.38M) Padded (25.38M), 36.2% fragmentation (14.38M))",
+        "overlays": "31.03M",
     }
-    small = plan.compiler_refusal(stderr.replace("13.33G of 13.18G", "20.65M of 20.00M"))
-    assert small is not None and (small["required"], small["available"]) == (20.65 * 2**20, 20.0 * 2**20)
+    small = tpu_compiler.compiler_refusal(stderr.replace("13.33G of 13.18G", "20.65M of 20.00M"))
+    assert small is not None and (small.required, small.available) == (20.65 * 2**20, 20.0 * 2**20)
     temporaries = (
         "Ran out of memory on HBM, the total memory required for HLO temporaries (13.53M) exceeds "
         "available HBM (8.00M)."
     )
-    found = plan.compiler_refusal(temporaries)  # a tiny step under an 8 MiB cap
-    assert found is not None and (found["required"], found["available"]) == (13.53 * 2**20, 8.0 * 2**20)
-    assert plan.compiler_refusal("RESOURCE_EXHAUSTED: something else") is None
+    found = tpu_compiler.compiler_refusal(temporaries)  # a tiny step under an 8 MiB cap
+    assert found is not None and (found.required, found.available) == (13.53 * 2**20, 8.0 * 2**20)
+    assert tpu_compiler.compiler_refusal("RESOURCE_EXHAUSTED: something else") is None
 
 
 def test_a_step_refused_below_the_chips_hbm_does_not_fit() -> None:

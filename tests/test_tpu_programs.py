@@ -411,3 +411,18 @@ def test_temp_at_peak_counts_a_buffer_updated_in_place_once(tmp_path: Path) -> N
     peak = temp_at_peak(str(tmp_path))
     assert (peak.step, peak.live, peak.heap) == (3, 1500, 3000)  # counting a and b apart: 2500
     assert [(v.name, v.size) for v in peak.held] == [("b{}", 1000), ("c{}", 500)]
+
+
+def test_the_smallest_hbm_a_step_compiles_in(compiled, tpu_python: Path) -> None:
+    """``tpu_compiler.py --smallest-hbm``: the step compiles under the cap it finds and is refused
+    1 MiB below, the compiler itemizing what it used; capped, it needs no more than it plans with
+    HBM to spare (arguments, temp and code). A libtpu that stops reading the cap, or words its
+    refusals otherwise, fails here."""
+    free = compiled["flat", "v5e-4"]
+    cmd = [str(tpu_python), "accel_xla_fsdp/tpu_compiler.py", free["program"], "--topology", "v5e-4"]
+    found = json.loads(_run([*cmd, "--smallest-hbm", "--json"], "the smallest HBM search").splitlines()[-1])
+    mib = 1 << 20
+    refused = found["refused_below"]
+    assert refused is not None and refused["available"] == (found["smallest_hbm_mib"] - 1) * mib
+    assert refused["required"] > refused["available"] and "HLO temp" in refused["parts"]
+    assert found["smallest_hbm_mib"] * mib <= free["peak"] + free["code"]
