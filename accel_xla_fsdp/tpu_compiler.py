@@ -510,6 +510,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="find the smallest HBM (MiB) each program compiles in, one capped compile per process",
     )
     args = parser.parse_args(argv)
+    if args.smallest_hbm and (args.hlo_out or args.dump_to or args.temp):
+        parser.error("--smallest-hbm compiles each program many times: run --hlo-out, --dump-to and --temp apart")
     if args.smallest_hbm:
         return print_smallest(args)
     lock = open(LOCK, "w")
