@@ -54,6 +54,7 @@ TOPOLOGIES: Dict[str, Tuple[str, Optional[str]]] = {
 
 # Per chip, bytes of high-bandwidth memory (Google Cloud's TPU docs).
 HBM_BYTES = {"v4": 32 << 30, "v5e": 16 << 30, "v5p": 95 << 30, "v6e": 32 << 30}
+MIB = 1 << 20
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
@@ -332,16 +333,15 @@ def temp_at_peak(dump_dir: str) -> TempPeak:
 
 
 def format_report(report: Report) -> str:
-    mb = 1 << 20
     lines = [
         f"{report.topology} ({report.chips} chips), per chip:",
-        f"  argument {report.argument / mb:,.1f} MiB, output {report.output / mb:,.1f} MiB, "
-        f"alias {report.alias / mb:,.1f} MiB, temp {report.temp / mb:,.1f} MiB, code {report.code / mb:,.1f} MiB",
-        f"  peak {report.peak / mb:,.1f} MiB of {report.hbm / mb:,.0f} MiB HBM",
+        f"  argument {report.argument / MIB:,.1f} MiB, output {report.output / MIB:,.1f} MiB, "
+        f"alias {report.alias / MIB:,.1f} MiB, temp {report.temp / MIB:,.1f} MiB, code {report.code / MIB:,.1f} MiB",
+        f"  peak {report.peak / MIB:,.1f} MiB of {report.hbm / MIB:,.0f} MiB HBM",
     ]
     for kind, c in sorted(report.collectives.items()):
-        lines.append(f"  {kind}: {c.count}, {c.bytes / mb:,.2f} MiB, ring traffic {c.ring_bytes / mb:,.2f} MiB")
-    lines.append(f"  ring traffic in all: {report.ring_bytes / mb:,.2f} MiB")
+        lines.append(f"  {kind}: {c.count}, {c.bytes / MIB:,.2f} MiB, ring traffic {c.ring_bytes / MIB:,.2f} MiB")
+    lines.append(f"  ring traffic in all: {report.ring_bytes / MIB:,.2f} MiB")
     return "\n".join(lines)
 
 
@@ -383,7 +383,6 @@ _OUT_OF_HBM = (
 # The second wording goes on with what it used, by part: "    HLO temp   39.75M (100.0% ...)".
 _PART = re.compile(r"^\s+(?P<kind>arguments|program|HLO temp|overlays|scoped|global)\s+(?P<words>[0-9.]+[KMG].*)$")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
+from unittest import mock
 
 import torch
 import torch_xla
@@ -155,12 +156,9 @@ assert LlamaDecoderLayer and LlamaMLP  # imported before any tracing: transforme
 
 
 def export(name: str, out: Path) -> dict:
-    in_place_bytes = sharded_tables.IN_PLACE_LOGITS_BYTES
-    sharded_tables.IN_PLACE_LOGITS_BYTES = -1 if name in AS_LARGE_LOGITS else in_place_bytes
-    try:
+    limit = -1 if name in AS_LARGE_LOGITS else sharded_tables.IN_PLACE_LOGITS_BYTES
+    with mock.patch.object(sharded_tables, "IN_PLACE_LOGITS_BYTES", limit):
         return _export(name, out)
-    finally:
-        sharded_tables.IN_PLACE_LOGITS_BYTES = in_place_bytes
 
 
 def _export(name: str, out: Path) -> dict:
