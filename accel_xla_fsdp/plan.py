@@ -18,7 +18,7 @@ model's temp does not grow as the full model's heap does; docs/plan.md).
 
 [Note: steps beyond HBM]
 A step whose arguments alone (parameter shards, AdamW state, batch: the exported program's
-parameters, ``tpu_program.ExportedProgram.argument_bytes``) exceed the chip's HBM does not fit, whatever its
+parameters, ``tpu_program.ExportedProgram.argument_bytes``) exceed the HBM the compiler has does not fit, whatever its
 temp, and is not compiled: compiling a large model at full depth takes more memory than its size
 suggests (Llama-3.1-70B on 8 chips: over 23 GiB here, killed), and would add nothing to that
 verdict. SPMD FSDPv2 holds the same parameters and state per chip, so ``--compare`` is not
@@ -29,6 +29,16 @@ space hbm. Used 13.33G of 13.18G hbm", seen with its HBM capped); its verdict qu
 the peak is at least the larger of the arguments and that figure, and the margin is against the
 HBM the compiler had, which is less than the chip's (30.75 of v4's 32 GiB): a step refused at
 31.27 does not fit.
+
+[Note: what a step needs]
+A step fits if the compiler accepts it for the chip: it plans every step in the HBM it has, the
+chip's less the runtime's reserve (``tpu_compiler.COMPILER_HBM_BYTES``), and refuses one beyond.
+The peak it reports (arguments + output - alias + temp) is its plan with whatever HBM it had to
+spare, and its temp counts the heap's unused bytes twice (docs/tpu.md, "What the compiler's temp
+is"): SPMD FSDPv2's Llama-3.1-8B step, fp32, checkpointed, on v5e-8, is accepted with a peak of
+16.07 GiB, above the 15.75 the compiler has. So the margin is the HBM the compiler has less that
+peak, a loose figure, and with ``--smallest-hbm`` less the smallest HBM the step compiles in
+(``tpu_compiler.smallest_hbm``: 5-12 more compiles), what it needs.
 
 [Note: torch_xla's SPMD FSDPv2 beside ours]
 ``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
@@ -91,7 +101,8 @@ class Slice:
     name: str
     generation: str
     chips: int
-    hbm: int
+    hbm: int  # per chip
+    compiler_hbm: int  # per chip, what the compiler plans a step in: the chip's less the runtime's reserve
 
 
 def topology(name: str) -> Slice:
@@ -102,7 +113,8 @@ def topology(name: str) -> Slice:
     chips = 1
     for d in shape.split("x"):
         chips *= int(d)
-    return Slice(name, generation, chips, tpu_compiler.HBM_BYTES[generation])
+    hbm, compiler_hbm = tpu_compiler.HBM_BYTES[generation], tpu_compiler.COMPILER_HBM_BYTES[generation]
+    return Slice(name, generation, chips, hbm, compiler_hbm)
 
 
 def tpu_python() -> Path:
@@ -272,6 +284,7 @@ class Step:
     collectives: Dict[str, float] = field(default_factory=dict)  # kind -> count
     not_compiled: str = ""  # why, when the figures are a lower bound ([Note: steps beyond HBM])
     hbm_available: float = 0.0  # the HBM the compiler had for the step, when it refused it
+    smallest_hbm: float = 0.0  # the smallest HBM it compiles in, when searched ([Note: what a step needs])
 
     @classmethod
     def beyond_hbm(cls, argument: float, peak: float, floor: float, why: str, available: float = 0.0) -> Step:
@@ -362,6 +375,18 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
     return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
 
 
+def run_smallest_hbm(python: Path, program: Path, request: Request, spmd: bool) -> float:
+    """[Note: what a step needs]: the smallest HBM the compiler accepts the step in, bytes."""
+    print(f"plan: finding the smallest HBM the step compiles in on {request.slice.name}", file=sys.stderr, flush=True)
+    cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), str(program), "--topology", request.slice.name]
+    cmd += ["--smallest-hbm", "--json", *(["--spmd"] if spmd else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PlanError(f"the search for the smallest HBM failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    found = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    return float(found["smallest_hbm_mib"] * tpu_compiler.MIB)
+
+
 def plan(args: argparse.Namespace) -> Dict[str, Any]:
     the_slice = topology(args.topology)
     python = tpu_python()
@@ -393,10 +418,10 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                 loss_in_chunks = bool(traced["lm_loss_in_chunks"])
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
-            if engine == "ours" and traced["argument"] > the_slice.hbm:  # [Note: steps beyond HBM]
+            if engine == "ours" and traced["argument"] > the_slice.compiler_hbm:  # [Note: steps beyond HBM]
                 why = (
                     f"its arguments alone (parameter shards, AdamW state, batch) take {traced['argument'] / GIB:.2f} "
-                    f"GiB per chip, more than the chip's {the_slice.hbm / GIB:.2f} GiB of HBM"
+                    f"GiB per chip, more than the {the_slice.compiler_hbm / GIB:.2f} GiB of HBM the compiler has"
                 )
                 steps["ours"] = Step.beyond_hbm(traced["argument"], traced["argument"], traced["floor"], why)
                 break
@@ -408,6 +433,9 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                 steps[engine] = Step.beyond_hbm(argument, peak, traced["floor"], why, report["available"])
             else:
                 steps[engine] = Step.of(report, traced["floor"])
+                if args.smallest_hbm:
+                    needed = run_smallest_hbm(python, program, request, spmd=engine == "spmd")
+                    steps[engine] = replace(steps[engine], smallest_hbm=needed)
     result: Dict[str, Any] = {
         "model": args.model,
         "model_type": config.model_type,
@@ -416,6 +444,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "topology": the_slice.name,
         "chips": the_slice.chips,
         "hbm": the_slice.hbm,
+        "compiler_hbm": the_slice.compiler_hbm,
         "seq": args.seq,
         "batch_per_chip": args.batch,
         "precision": precision,
@@ -445,10 +474,12 @@ def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) 
     step carries."""
     if floor is not None:
         step = replace(step, floor=floor)
-    # A refused step does not fit, though its lower bound may be below the chip's HBM: the
-    # compiler has less than all of it (Gemma-2-9B on v4-8: 31.27 GiB needed, 30.75 available of 32)
-    fits = not step.hbm_available and step.peak <= the_slice.hbm
-    return {**asdict(step), "fits": fits, "margin": (step.hbm_available or the_slice.hbm) - step.peak}
+    # [Note: what a step needs]: a step fits if the compiler accepts it for the chip. A refused one
+    # does not, though its lower bound may be below the chip's HBM: the compiler has less than all
+    # of it (Gemma-2-9B on v4-8: 31.27 GiB needed, 30.75 available of 32).
+    available = step.hbm_available or the_slice.compiler_hbm
+    margin = available - (step.smallest_hbm or step.peak)
+    return {**asdict(step), "fits": not step.not_compiled, "margin": margin}
 
 
 LM_HEAD_KEY = "xla_fsdp_reduce_scatter_in_linear_backward"
@@ -560,12 +591,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         lines += ["", *_figures_table(columns, r["hbm"], gib, labelled=len(engines) > 1)]
     lines.append("")
     for label, e in engines:
-        if e["fits"]:
-            verdict = f"fits, {gib(e['margin'])} to spare ({e['margin'] / r['hbm']:.0%} of HBM)"
-        else:
-            over = f"at least {gib(-e['margin'])}" if e["not_compiled"] else gib(-e["margin"])
-            had = f" the {gib(e['hbm_available'])} of HBM the compiler had" if e.get("hbm_available") else ""
-            verdict = f"does NOT fit, {over} over{had}" + ("; to lower the peak:" if e is r else "")
+        verdict = _verdict(e, r["compiler_hbm"], gib) + ("; to lower the peak:" if e is r and not e["fits"] else "")
         lines.append(f"verdict{'' if len(engines) == 1 else f', {label}'}: {verdict}")
         if e is r:
             lines += [f"  - {h}" for h in r["hints"]]
@@ -576,6 +602,22 @@ def format_plan(r: Dict[str, Any]) -> str:
     if "hlo_out" in r:
         lines.append(f"the exported program: {r['hlo_out']}")
     return "\n".join(lines)
+
+
+def _verdict(e: Dict[str, Any], compiler_hbm: float, gib: Any) -> str:
+    """One engine's verdict, its margin against the HBM the compiler has ([Note: what a step needs])."""
+    available = e["hbm_available"] or compiler_hbm
+    has = f"the {gib(available)} of HBM the compiler has per chip"
+    if not e["fits"]:
+        return f"does NOT fit, {'at least ' if e['not_compiled'] else ''}{gib(-e['margin'])} over {has}"
+    if e["smallest_hbm"]:
+        return f"fits in {gib(e['smallest_hbm'])} per chip at the least, {gib(e['margin'])} to spare of {has}"
+    if e["margin"] >= 0:
+        return f"fits, {gib(e['margin'])} to spare of {has} ({e['margin'] / available:.0%}), as planned"
+    return (
+        f"fits: the compiler accepted it for {has}; its peak as planned, {gib(-e['margin'])} above that, counts "
+        "the heap's unused bytes twice (--smallest-hbm: what it needs)"
+    )
 
 
 def _figures_table(columns: List[Tuple[str, Dict[str, Any]]], hbm: int, gib: Any, labelled: bool) -> List[str]:
@@ -655,6 +697,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention",
         choices=["eager", "sdpa"],
         help="the attention implementation traced (default: the config's; eager for both with --compare spmd in bf16)",
+    )
+    parser.add_argument(
+        "--smallest-hbm",
+        action="store_true",
+        help="also find the smallest HBM per chip each step compiles in, for the margin (5-12 more compiles each)",
     )
     parser.add_argument(
         "--compare",

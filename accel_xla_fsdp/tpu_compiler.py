@@ -55,6 +55,16 @@ TOPOLOGIES: Dict[str, Tuple[str, Optional[str]]] = {
 # Per chip, bytes of high-bandwidth memory (Google Cloud's TPU docs).
 HBM_BYTES = {"v4": 32 << 30, "v5e": 16 << 30, "v5p": 95 << 30, "v6e": 32 << 30}
 MIB = 1 << 20
+# Per chip, the HBM the compiler plans a step in, and refuses one beyond: the chip's less what the
+# TPU runtime keeps for itself. As libtpu 0.0.42.1 words it refusing a step too large for any
+# slice ("exceeds available HBM (15.75G)"), to 0.01 GiB; v5e's is exact, its refusals under a cap
+# listing "reserved 258.00M". v5p's is above the 95 GB of Google's page.
+COMPILER_HBM_BYTES = {
+    "v4": round(30.75 * 1024) * MIB,
+    "v5e": (16 * 1024 - 258) * MIB,
+    "v5p": round(95.74 * 1024) * MIB,
+    "v6e": round(31.25 * 1024) * MIB,
+}
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
