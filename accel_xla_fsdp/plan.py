@@ -312,6 +312,7 @@ class Request:
     config_file: Optional[str]
     attention: Optional[str]  # the attention implementation, when not the config's
     parameter_dtype: Optional[str] = None  # the parameters' dtype ("float32"), when not the config's
+    scheduler_memory_percent: Optional[int] = None  # [Note: the scheduler's memory target], when set
 
 
 def _trace_spec(request: Request, engine: str, workdir: Path) -> Dict[str, Any]:
@@ -355,12 +356,21 @@ def run_trace(request: Request, engine: str, workdir: Path) -> Tuple[Path, Dict[
     return program_path(spec), json.loads(spec_path.with_suffix(".out.json").read_text())
 
 
+def compiler_env(request: Request) -> Dict[str, str]:
+    """The compiler's environment: ours, with the launcher's LIBTPU_INIT_ARGS for the settings."""
+    env = dict(os.environ)
+    if request.scheduler_memory_percent is not None:
+        given = env.get("LIBTPU_INIT_ARGS", "")
+        env["LIBTPU_INIT_ARGS"] = tpu_compiler.libtpu_init_args(request.scheduler_memory_percent, given)
+    return env
+
+
 def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
     """``spmd``: the program is an SPMD trace, which the compiler partitions over the chips."""
     print(f"plan: compiling the step for {request.slice.name}", file=sys.stderr, flush=True)
     cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), str(program), "--topology", request.slice.name]
     cmd += ["--spmd"] if spmd else []
-    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
+    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=compiler_env(request))
     if done.returncode == -signal.SIGKILL:
         raise PlanError(
             "the TPU compiler was killed, most likely out of this machine's memory: compiling a large model "
@@ -380,7 +390,7 @@ def run_smallest_hbm(python: Path, program: Path, request: Request, spmd: bool) 
     print(f"plan: finding the smallest HBM the step compiles in on {request.slice.name}", file=sys.stderr, flush=True)
     cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), str(program), "--topology", request.slice.name]
     cmd += ["--smallest-hbm", "--json", *(["--spmd"] if spmd else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=compiler_env(request))
     if done.returncode != 0:
         raise PlanError(f"the search for the smallest HBM failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     found = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
@@ -391,7 +401,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     the_slice = topology(args.topology)
     python = tpu_python()
     config = load_config(args.model)
-    precision, checkpointing, lm_head_in_backward = _launch_settings(args)
+    precision, checkpointing, lm_head_in_backward, scheduler_percent = _launch_settings(args)
     model = str(Path(args.model).resolve())
     attention = args.attention
     if _eager_for_both(args.compare, precision):
@@ -405,7 +415,16 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     upcast = _f32_for_both(args.compare, precision, config_dtype)
     parameter_dtype = upcast or config_dtype
     request = Request(
-        model, the_slice, args.seq, args.batch, precision, checkpointing, args.config_file, attention, upcast
+        model,
+        the_slice,
+        args.seq,
+        args.batch,
+        precision,
+        checkpointing,
+        args.config_file,
+        attention,
+        upcast,
+        scheduler_percent,
     )
     engines = ["ours", *([args.compare] if args.compare else [])]
     steps: Dict[str, Step] = {}
@@ -429,7 +448,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
             if "refused" in report:  # SPMD: the same parameters and state per chip as ours
                 argument = steps["ours"].argument if engine == "spmd" else traced["argument"]
                 peak = max(argument, report["required"])
-                why = f"the TPU compiler refused it: {report['refused']}"
+                why = f"{REFUSED}: {report['refused']}"
                 steps[engine] = Step.beyond_hbm(argument, peak, traced["floor"], why, report["available"])
             else:
                 steps[engine] = Step.of(report, traced["floor"])
@@ -454,6 +473,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "lm_head_gradient_in_backward": lm_head_in_backward,
         "vocabulary_kept_sharded": kept_sharded,
         "lm_loss_in_chunks": loss_in_chunks,
+        "scheduler_memory_percent": scheduler_percent,
         "parameter_dtype": parameter_dtype,
         "config_dtype": config_dtype,
         "attention": attention or "the config's",
@@ -467,6 +487,9 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     if args.hlo_out:
         result["hlo_out"] = args.hlo_out
     return result
+
+
+REFUSED = "the TPU compiler refused it"
 
 
 def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) -> Dict[str, Any]:
@@ -483,20 +506,24 @@ def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) 
 
 
 LM_HEAD_KEY = "xla_fsdp_reduce_scatter_in_linear_backward"
+SCHEDULER_KEY = "xla_fsdp_tpu_scheduler_memory_percent"
+SCHEDULER_HINT_PERCENT = 90  # [Note: the scheduler's memory target]
 
 
-def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool, bool]:
+def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool, bool, Optional[int]]:
     """Precision and gradient checkpointing: the options, else the launch config file's
-    ``mixed_precision`` and ``fsdp_activation_checkpointing``, else fp32 and off; and whether the
-    config file reduces lm_head's gradient in its backward (for ``hints``)."""
+    ``mixed_precision`` and ``fsdp_activation_checkpointing``, else fp32 and off; whether the
+    config file reduces lm_head's gradient in its backward (for ``hints``); the scheduler's memory
+    target, the option's, else the config file's, else None (libtpu's)."""
     precision, checkpointing = args.precision, args.gradient_checkpointing
+    scheduler_percent = args.scheduler_memory_percent
     lm_head_in_backward = False
     if args.config_file:
         if not Path(args.config_file).is_file():
             raise PlanError(f"--config_file {args.config_file}: no such file")
         from accelerate.commands.config.config_args import load_config_from_file
 
-        from .hf_accelerate.plugin import check_config_section, parse_bool
+        from .hf_accelerate.plugin import check_config_section, parse_bool, parse_percent
 
         try:
             launch = load_config_from_file(args.config_file)
@@ -505,6 +532,8 @@ def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool, bool]:
                 "fsdp_activation_checkpointing", section.get("fsdp_activation_checkpointing", False)
             )
             lm_head_in_backward = parse_bool(LM_HEAD_KEY, section.get(LM_HEAD_KEY, False))
+            if scheduler_percent is None and section.get(SCHEDULER_KEY) is not None:
+                scheduler_percent = parse_percent(SCHEDULER_KEY, section[SCHEDULER_KEY])
         except (ValueError, TypeError) as e:
             raise PlanError(f"--config_file {args.config_file}: {e}") from None
         if precision is None:
@@ -516,7 +545,7 @@ def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool, bool]:
             precision = "bf16" if mixed == "bf16" else "fp32"
         if checkpointing is None:
             checkpointing = configured_checkpointing
-    return precision or "fp32", bool(checkpointing), lm_head_in_backward
+    return precision or "fp32", bool(checkpointing), lm_head_in_backward, scheduler_percent
 
 
 def hints(result: Dict[str, Any]) -> List[str]:
@@ -545,6 +574,15 @@ def hints(result: Dict[str, Any]) -> List[str]:
             f"{LM_HEAD_KEY}: true in the --config_file: this model's lm_head is its embedding, and the "
             "tied table's full gradient is then never held through backward (Llama-3.2-1B on v5e-8, its "
             "tables gathered whole: 3.23 against 4.53 GiB at full depth; docs/tpu.md)"
+        )
+    refused = result["not_compiled"].startswith(REFUSED)
+    if refused and result["scheduler_memory_percent"] is None:
+        found.append(
+            f"{SCHEDULER_KEY}: {SCHEDULER_HINT_PERCENT} in the --config_file (the launcher passes it as "
+            f"LIBTPU_INIT_ARGS={tpu_compiler.libtpu_init_args(SCHEDULER_HINT_PERCENT)}): the TPU compiler's "
+            "scheduler then makes each optimizer update as soon as its gradient is reduced (Qwen2.5-7B, fp32, "
+            "checkpointed, on v5e-8: refused with libtpu's 95, compiled at 90; its cost in step time is not "
+            "measured; docs/tpu.md)"
         )
     found.append(
         f"more chips: parameters and optimizer state take {result['argument'] / GIB:.1f} GiB per chip here and "
@@ -584,6 +622,9 @@ def format_plan(r: Dict[str, Any]) -> str:
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
         f"traced at full depth ({depth})" + _attention_note(r),
     ]
+    if r["scheduler_memory_percent"] is not None:
+        flag = tpu_compiler.libtpu_init_args(r["scheduler_memory_percent"])
+        lines.append(f"compiled with LIBTPU_INIT_ARGS={flag} ({SCHEDULER_KEY}), every engine")
     lines += [f"{prefix(label)}not compiled: {e['not_compiled']}" for label, e in engines if e["not_compiled"]]
     if r["compare"] and r["compare"] not in r:
         lines.append(f"{ENGINES[r['compare']]}: not traced (the same parameters and AdamW state per chip)")
@@ -697,6 +738,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention",
         choices=["eager", "sdpa"],
         help="the attention implementation traced (default: the config's; eager for both with --compare spmd in bf16)",
+    )
+    parser.add_argument(
+        "--scheduler-memory-percent",
+        type=int,
+        choices=range(1, 101),
+        metavar="N",
+        help="the TPU compiler's scheduler plans within N%% of HBM "
+        f"(LIBTPU_INIT_ARGS=--{tpu_compiler.SCHEDULER_MEMORY_FLAG}=N; default: the config file's "
+        f"{SCHEDULER_KEY}, else libtpu's 95)",
     )
     parser.add_argument(
         "--smallest-hbm",

@@ -55,6 +55,23 @@ TOPOLOGIES: Dict[str, Tuple[str, Optional[str]]] = {
 # Per chip, bytes of high-bandwidth memory (Google Cloud's TPU docs).
 HBM_BYTES = {"v4": 32 << 30, "v5e": 16 << 30, "v5p": 95 << 30, "v6e": 32 << 30}
 MIB = 1 << 20
+# [Note: the scheduler's memory target]
+# The TPU compiler's latency-hiding scheduler plans a step's order for speed within a share of HBM,
+# this flag, 95 (%) by default in libtpu 0.0.42.1 (its dump's tpu_comp_env.txt). With HBM to
+# spare by that measure it makes every AdamW update at the step's end, so each layer's reduced
+# gradient shard is held from its backward to there; lower, it makes each update once its gradient
+# is reduced, as it does SPMD FSDPv2's. Qwen2.5-7B, fp32, checkpointed, on v5e-8: refused at 95
+# and 100 ("HLO temporaries (15.96G) exceeds available HBM (15.75G)"), compiled at 90 (docs/tpu.md).
+SCHEDULER_MEMORY_FLAG = "xla_tpu_scheduler_percent_shared_memory_limit"
+
+
+def libtpu_init_args(scheduler_memory_percent: Optional[int], given: str = "") -> str:
+    """``LIBTPU_INIT_ARGS`` with the scheduler's memory target set, then ``given`` (the user's own,
+    which libtpu reads last: a value of theirs for the same flag wins)."""
+    ours = f"--{SCHEDULER_MEMORY_FLAG}={scheduler_memory_percent}" if scheduler_memory_percent is not None else ""
+    return f"{ours} {given}".strip()
+
+
 # Per chip, the HBM the compiler plans a step in, and refuses one beyond: the chip's less what the
 # TPU runtime keeps for itself. As libtpu 0.0.42.1 words it refusing a step too large for any
 # slice ("exceeds available HBM (15.75G)"), to 0.01 GiB; v5e's is exact, its refusals under a cap

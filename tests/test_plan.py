@@ -114,18 +114,40 @@ def test_config_file_settings_and_overrides(tmp_path: Path, capsys, tiny: Path, 
     """The launch config's mixed_precision and fsdp_activation_checkpointing are the defaults."""
     parser = cli.build_parser()
     args = parser.parse_args(["plan", str(tiny), "--topology", "v5e-8", "--config_file", TPU_PLUGIN])
-    assert plan._launch_settings(args) == ("bf16", True, False)
+    assert plan._launch_settings(args) == ("bf16", True, False, None)
     args = parser.parse_args(
         ["plan", str(tiny), "--topology", "v5e-8", "--config_file", TPU_PLUGIN, "--precision", "fp32"]
         + ["--no-gradient-checkpointing"]
     )
-    assert plan._launch_settings(args) == ("fp32", False, False)
+    assert plan._launch_settings(args) == ("fp32", False, False, None)
     lm_head = tmp_path / "lm_head.yaml"
     lm_head.write_text(
         Path(TPU_PLUGIN).read_text().replace("fsdp_config:", f"fsdp_config:\n  {plan.LM_HEAD_KEY}: true")
     )
     args = parser.parse_args(["plan", str(tiny), "--topology", "v5e-8", "--config_file", str(lm_head)])
-    assert plan._launch_settings(args) == ("bf16", True, True)
+    assert plan._launch_settings(args) == ("bf16", True, True, None)
+    # the scheduler's memory target: the config file's, and the option over it
+    scheduler = tmp_path / "scheduler.yaml"
+    key = plan.SCHEDULER_KEY
+    scheduler.write_text(Path(TPU_PLUGIN).read_text().replace("fsdp_config:", f"fsdp_config:\n  {key}: 90"))
+    args = parser.parse_args(["plan", str(tiny), "--topology", "v5e-8", "--config_file", str(scheduler)])
+    assert plan._launch_settings(args) == ("bf16", True, False, 90)
+    args = parser.parse_args(
+        ["plan", str(tiny), "--topology", "v5e-8", "--config_file", str(scheduler), "--scheduler-memory-percent", "80"]
+    )
+    assert plan._launch_settings(args) == ("bf16", True, False, 80)
+    request = plan.Request("m", plan.topology("v5e-8"), 64, 1, "bf16", True, None, None, None, 80)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_other=1")
+    assert plan.compiler_env(request)["LIBTPU_INIT_ARGS"] == (
+        "--xla_tpu_scheduler_percent_shared_memory_limit=80 --xla_tpu_other=1"
+    )
+    assert plan.compiler_env(dataclasses.replace(request, scheduler_memory_percent=None))["LIBTPU_INIT_ARGS"] == (
+        "--xla_tpu_other=1"
+    )
+    scheduler.write_text(Path(TPU_PLUGIN).read_text().replace("fsdp_config:", f"fsdp_config:\n  {key}: 0"))
+    args = parser.parse_args(["plan", str(tiny), "--topology", "v5e-8", "--config_file", str(scheduler)])
+    with pytest.raises(plan.PlanError, match=f"{key}: expected a percentage from 1 to 100, got 0"):
+        plan._launch_settings(args)
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(TPU_PLUGIN).read_text().replace("fsdp_config:", "fsdp_config:\n  xla_fsdp_no_such_key: 1"))
     monkeypatch.setenv(plan.TPU_PYTHON_ENV, sys.executable)
@@ -149,6 +171,7 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     result: Dict[str, Any] = {"fits": False, "precision": "fp32", "gradient_checkpointing": False}
     result.update(batch_per_chip=4, argument=20 * GIB, tied_embeddings=False, vocabulary_kept_sharded=False)
     result.update(lm_head_gradient_in_backward=False, lm_loss_in_chunks=False)
+    result.update(not_compiled="", scheduler_memory_percent=None)
     found = plan.hints(result)
     assert [h.split(" ")[0] for h in found] == ["bf16", "gradient", "a", "more"]
     assert "20.0 GiB per chip" in found[-1]
@@ -172,6 +195,13 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     result.update(lm_head_gradient_in_backward=True)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
     result.update(lm_head_gradient_in_backward=False, vocabulary_kept_sharded=True)  # the TPU default when tied
+    assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
+    # refused by the compiler: its scheduler's memory target, unless the step set one
+    result.update(not_compiled=f"{plan.REFUSED}: Ran out of memory on HBM")
+    found = plan.hints(result)
+    assert [h.split(" ")[0] for h in found] == ["xla_fsdp_tpu_scheduler_memory_percent:", "more"]
+    assert "LIBTPU_INIT_ARGS=--xla_tpu_scheduler_percent_shared_memory_limit=90" in found[0]
+    result.update(scheduler_memory_percent=90)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
 
 
@@ -274,12 +304,15 @@ def test_plan_finds_the_smallest_hbm_a_step_needs(tpu_python: Path, tiny: Path) 
     compile capped, ``tpu_compiler.smallest_hbm``), which holds its arguments and is less than the
     HBM the compiler has."""
     argv = [str(tiny), "--topology", "v5e-4", "--seq", "64", "--config_file", TPU_PLUGIN, "--smallest-hbm"]
-    result = json.loads(_plan(tpu_python, *argv, "--json").stdout)
+    result = json.loads(_plan(tpu_python, *argv, "--scheduler-memory-percent", "90", "--json").stdout)
+    assert result["scheduler_memory_percent"] == 90  # each compile given LIBTPU_INIT_ARGS (compiler_env)
     needed = result["smallest_hbm"]
     assert needed % 2**20 == 0 and result["argument"] < needed < V5E
     assert result["fits"] and result["margin"] == V5E - needed
     mib = f"{needed / 2**20:,.1f} MiB"
-    assert f"verdict: fits in {mib} per chip at the least" in plan.format_plan(result)
+    text = plan.format_plan(result)
+    assert f"verdict: fits in {mib} per chip at the least" in text
+    assert "compiled with LIBTPU_INIT_ARGS=--xla_tpu_scheduler_percent_shared_memory_limit=90" in text
 
 
 def test_arguments_beyond_hbm_are_not_compiled(tpu_python: Path, tmp_path: Path) -> None:  # noqa: F811
@@ -380,6 +413,7 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
         hints=[],
         vocabulary_kept_sharded=False,
         lm_loss_in_chunks=False,
+        scheduler_memory_percent=None,
     )
     assert not result["fits"] and result["peak"] == 19.64 * GIB
     text = plan.format_plan(result)

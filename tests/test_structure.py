@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, Optional
 
+import pytest
 import torch.nn as nn
 
 from accel_xla_fsdp import FsdpOptions, XlaFullyShardedDataParallel, transformer_block_policy
@@ -98,6 +99,36 @@ def test_launcher_puts_its_xla_flags_before_the_users(tmp_path: Path, monkeypatc
     monkeypatch.setenv("XLA_FLAGS", "")
     launch.export_launch_settings()
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_xnnpack=false"
+
+
+def test_launcher_passes_the_schedulers_memory_target_to_libtpu(tmp_path: Path, monkeypatch) -> None:
+    """xla_fsdp_tpu_scheduler_memory_percent reaches the replicas' libtpu as LIBTPU_INIT_ARGS, which
+    it reads as a replica starts ([Note: the scheduler's memory target]): ours first, so a user's
+    own value of the flag, after it, wins; the user's variable for the setting wins over the file."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "distributed_type: XLA\nnum_processes: 2\nfsdp_config:\n  xla_fsdp_tpu_scheduler_memory_percent: 90\n"
+    )
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the launcher exports goes with the test
+    monkeypatch.delenv("XLA_FSDP_TPU_SCHEDULER_MEMORY_PERCENT", raising=False)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_x=1")
+    monkeypatch.setattr(sys, "argv", ["accelerate", "launch", "--config_file", str(config), "train.py"])
+    launch.export_launch_settings()
+    flag = "--xla_tpu_scheduler_percent_shared_memory_limit"
+    assert os.environ["LIBTPU_INIT_ARGS"] == f"{flag}=90 --xla_tpu_x=1"
+    assert os.environ["XLA_FSDP_TPU_SCHEDULER_MEMORY_PERCENT"] == "90"
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+    monkeypatch.setenv("XLA_FSDP_TPU_SCHEDULER_MEMORY_PERCENT", "70")
+    launch.export_launch_settings()
+    assert os.environ["LIBTPU_INIT_ARGS"] == f"{flag}=70"
+    monkeypatch.setenv("XLA_FSDP_TPU_SCHEDULER_MEMORY_PERCENT", "101")
+    with pytest.raises(ValueError, match="XLA_FSDP_TPU_SCHEDULER_MEMORY_PERCENT: expected a percentage from 1 to 100"):
+        launch.export_launch_settings()
+    monkeypatch.delenv("XLA_FSDP_TPU_SCHEDULER_MEMORY_PERCENT")
+    config.write_text("distributed_type: XLA\nnum_processes: 2\n")  # unset: libtpu's own
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_x=1")
+    launch.export_launch_settings()
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_x=1"
 
 
 class _Block(nn.Module):

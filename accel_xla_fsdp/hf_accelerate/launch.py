@@ -20,14 +20,25 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from .. import _xla
-from .plugin import CONFIG_EXPORTED_ENV, CONFIG_FILE_ENV, SETTINGS, check_config_section, settings_environment
+from ..tpu_compiler import libtpu_init_args
+from .plugin import (
+    CONFIG_EXPORTED_ENV,
+    CONFIG_FILE_ENV,
+    SETTINGS,
+    check_config_section,
+    parse_percent,
+    settings_environment,
+)
 
 # The replicas the launcher was asked for (``--num_processes`` or the config's ``num_processes``).
 NUM_PROCESSES_ENV = "ACCEL_XLA_FSDP_NUM_PROCESSES"
+# The TPU compiler's scheduler memory target ([Note: the scheduler's memory target]).
+SCHEDULER_MEMORY_ENV = next(s.env for s in SETTINGS if s.name == "tpu_scheduler_memory_percent")
 # Set when a replica, not the launcher, read the launch settings.
 READ_LATE_ENV = "ACCEL_XLA_FSDP_SETTINGS_READ_IN_REPLICA"
 
@@ -50,7 +61,7 @@ def export_launch_settings() -> None:
     if arguments is None:
         return
     for name, value in launch_environment(arguments).items():
-        if name == "XLA_FLAGS":  # already ours, then the user's (and torch_xla's import's) own
+        if name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):  # ours, then the user's (and torch_xla's import's) own
             os.environ[name] = value
         else:
             os.environ.setdefault(name, value)  # the user's own environment wins
@@ -77,6 +88,12 @@ def launch_environment(arguments: List[str]) -> Dict[str, str]:
         env["ACCELERATE_MIXED_PRECISION"] = str(mixed_precision)
     if _xla.on_cpu():
         env.update(_xla.cpu_device_env(args.num_processes or config.num_processes or 1))
+    # libtpu reads its flags as a replica starts: only the launcher can pass them. The user's own
+    # variable wins, as for every setting.
+    percent = os.environ.get(SCHEDULER_MEMORY_ENV, env.get(SCHEDULER_MEMORY_ENV))
+    if percent is not None:
+        given = os.environ.get("LIBTPU_INIT_ARGS", "")
+        env["LIBTPU_INIT_ARGS"] = libtpu_init_args(parse_percent(SCHEDULER_MEMORY_ENV, percent), given)
     return env
 
 
@@ -95,6 +112,12 @@ def read_settings_in_replica() -> None:
             if name in env:
                 os.environ.setdefault(name, env[name])
         os.environ[READ_LATE_ENV] = "1"
+        if "LIBTPU_INIT_ARGS" in env and env["LIBTPU_INIT_ARGS"] != os.environ.get("LIBTPU_INIT_ARGS", ""):
+            warnings.warn(
+                f"{SCHEDULER_MEMORY_ENV} is set, but this replica's TPU runtime started without it: libtpu "
+                "reads LIBTPU_INIT_ARGS as a replica starts. Put `from accel_xla_fsdp import Accelerator` at "
+                f"module level in the script (not inside main()), or export LIBTPU_INIT_ARGS={env['LIBTPU_INIT_ARGS']}"
+            )
 
 
 def check_device_count(running: int) -> None:
