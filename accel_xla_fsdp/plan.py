@@ -580,9 +580,9 @@ def hints(result: Dict[str, Any]) -> List[str]:
         found.append(
             f"{SCHEDULER_KEY}: {SCHEDULER_HINT_PERCENT} in the --config_file (the launcher passes it as "
             f"LIBTPU_INIT_ARGS={tpu_compiler.libtpu_init_args(SCHEDULER_HINT_PERCENT)}): the TPU compiler's "
-            "scheduler then makes optimizer updates earlier, holding fewer gradients (Qwen2.5-7B, fp32, "
-            "checkpointed, on v5e-8: refused with libtpu's 95, compiled at 90; its cost in step time is not "
-            "measured; docs/tpu.md)"
+            "scheduler then makes optimizer updates earlier, holding fewer gradients (Qwen2.5-7B and "
+            "Llama-3.1-8B, fp32, checkpointed, on v5e-8: refused with libtpu's 95, compiled at 90; its cost in "
+            "step time is not measured; docs/tpu.md)"
         )
     found.append(
         f"more chips: parameters and optimizer state take {result['argument'] / GIB:.1f} GiB per chip here and "
@@ -656,8 +656,8 @@ def _verdict(e: Dict[str, Any], compiler_hbm: float, gib: Any) -> str:
     if e["margin"] >= 0:
         return f"fits, {gib(e['margin'])} to spare of {has} ({e['margin'] / available:.0%}), as planned"
     return (
-        f"fits: the compiler accepted it for {has}; its peak as planned, {gib(-e['margin'])} above that, counts "
-        "the heap's unused bytes twice (--smallest-hbm: what it needs)"
+        f"fits: the compiler accepted it for the {gib(available)} of HBM it has per chip; its peak as planned, "
+        f"{gib(-e['margin'])} above that, counts the heap's unused bytes twice (--smallest-hbm: what it needs)"
     )
 
 

@@ -436,7 +436,7 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
     assert any(line.startswith("torch_xla SPMD FSDPv2: traffic per step") for line in text), text
     # accepted by the compiler with a peak above the HBM it has: it fits
     assert text[-2] == (
-        "verdict, torch_xla SPMD FSDPv2: fits: the compiler accepted it for the 15.75 GiB of HBM the compiler has "
+        "verdict, torch_xla SPMD FSDPv2: fits: the compiler accepted it for the 15.75 GiB of HBM it has "
         "per chip; its peak as planned, 258.0 MiB above that, counts the heap's unused bytes twice (--smallest-hbm: "
         "what it needs)"
     ), text
