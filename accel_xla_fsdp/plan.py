@@ -580,7 +580,7 @@ def hints(result: Dict[str, Any]) -> List[str]:
         found.append(
             f"{SCHEDULER_KEY}: {SCHEDULER_HINT_PERCENT} in the --config_file (the launcher passes it as "
             f"LIBTPU_INIT_ARGS={tpu_compiler.libtpu_init_args(SCHEDULER_HINT_PERCENT)}): the TPU compiler's "
-            "scheduler then makes optimizer updates earlier, holding fewer gradients (Qwen2.5-7B and "
+            "scheduler then plans for memory (Qwen2.5-7B and "
             "Llama-3.1-8B, fp32, checkpointed, on v5e-8: refused with libtpu's 95, compiled at 90; its cost in "
             "step time is not measured; docs/tpu.md)"
         )

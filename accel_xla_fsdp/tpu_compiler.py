@@ -60,10 +60,11 @@ MIB = 1 << 20
 # this flag, 95 (%) by default in libtpu 0.0.42.1 (its dump's tpu_comp_env.txt). With HBM to
 # spare by that measure it makes every AdamW update at the step's end, so each layer's reduced
 # gradient shard is held from its backward to there (SPMD FSDPv2's updates follow their gradients).
-# Lowered until it binds, it makes them earlier: issue 25's checkpointed fp32 step on v5e-8 at 1 has
-# 11 of its 39 updates before the median reduce-scatter, none at 95. Qwen2.5-7B, fp32, checkpointed,
-# on v5e-8: refused at 95 and 100 ("HLO temporaries (15.96G) exceeds available HBM (15.75G)"),
-# compiled at 90 (docs/tpu.md, "The scheduler's memory target").
+# Far lower, it makes them earlier: issue 25's checkpointed fp32 step on v5e-8 at 1 has 11 of its
+# 39 updates before the median reduce-scatter, none at 95. Qwen2.5-7B, fp32, checkpointed, on
+# v5e-8: refused at 95 and 100 ("HLO temporaries (15.96G) exceeds available HBM (15.75G)"),
+# compiled at 90 with about the temp refused at 95 and its updates still at the end (what the
+# compiler changed to fit it is not read out), and at 1 with 1.7 GB less (docs/tpu.md).
 SCHEDULER_MEMORY_FLAG = "xla_tpu_scheduler_percent_shared_memory_limit"
 
 

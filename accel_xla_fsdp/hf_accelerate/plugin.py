@@ -239,8 +239,8 @@ class XlaFsdpPlugin:
         None,
         "On a TPU: the share of HBM (%) the compiler's scheduler plans a step within, passed to the "
         "replicas as LIBTPU_INIT_ARGS=--xla_tpu_scheduler_percent_shared_memory_limit=N by the "
-        "launcher (unset: libtpu's, 95). Lower, once it binds, the scheduler makes optimizer updates "
-        "earlier, holding fewer gradients: Qwen2.5-7B, fp32, checkpointed, compiles for v5e-8 at 90, not at 95 "
+        "launcher (unset: libtpu's, 95). Lower, the compiler plans for memory: Qwen2.5-7B and "
+        "Llama-3.1-8B, fp32, checkpointed, compile for v5e-8 at 90, not at 95 "
         "(accel-xla-fsdp plan, docs/tpu.md). Its cost in step time is not measured.",
         parse_percent,
     )
