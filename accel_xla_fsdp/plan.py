@@ -365,12 +365,24 @@ def compiler_env(request: Request) -> Dict[str, str]:
     return env
 
 
-def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
-    """``spmd``: the program is an SPMD trace, which the compiler partitions over the chips."""
-    print(f"plan: compiling the step for {request.slice.name}", file=sys.stderr, flush=True)
+def _run_compiler(
+    python: Path, program: Path, request: Request, spmd: bool, *options: str
+) -> Tuple[List[str], subprocess.CompletedProcess]:
+    """``tpu_compiler.py`` on ``program`` for the request's slice, in the compiler's environment;
+    ``spmd``: the program is an SPMD trace, which the compiler partitions over the chips."""
     cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), str(program), "--topology", request.slice.name]
-    cmd += ["--spmd"] if spmd else []
-    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=compiler_env(request))
+    cmd += [*options, "--json", *(["--spmd"] if spmd else [])]
+    return cmd, subprocess.run(cmd, capture_output=True, text=True, env=compiler_env(request))
+
+
+def _json_line(stdout: str) -> Dict[str, Any]:
+    return next(json.loads(line) for line in stdout.splitlines() if line.startswith("{"))
+
+
+def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Dict[str, Any]:
+    """The compiler's report of the step, or its refusal ([Note: steps beyond HBM])."""
+    print(f"plan: compiling the step for {request.slice.name}", file=sys.stderr, flush=True)
+    cmd, done = _run_compiler(python, program, request, spmd)
     if done.returncode == -signal.SIGKILL:
         raise PlanError(
             "the TPU compiler was killed, most likely out of this machine's memory: compiling a large model "
@@ -382,19 +394,16 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
         return asdict(refused)
     if done.returncode != 0:
         raise PlanError(f"the TPU compiler failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-    return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    return _json_line(done.stdout)
 
 
 def run_smallest_hbm(python: Path, program: Path, request: Request, spmd: bool) -> float:
     """[Note: what a step needs]: the smallest HBM the compiler accepts the step in, bytes."""
     print(f"plan: finding the smallest HBM the step compiles in on {request.slice.name}", file=sys.stderr, flush=True)
-    cmd = [str(python), str(PACKAGE / "tpu_compiler.py"), str(program), "--topology", request.slice.name]
-    cmd += ["--smallest-hbm", "--json", *(["--spmd"] if spmd else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=compiler_env(request))
+    cmd, done = _run_compiler(python, program, request, spmd, "--smallest-hbm")
     if done.returncode != 0:
         raise PlanError(f"the search for the smallest HBM failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-    found = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
-    return float(found["smallest_hbm_mib"] * tpu_compiler.MIB)
+    return float(_json_line(done.stdout)["smallest_hbm_mib"] * tpu_compiler.MIB)
 
 
 def plan(args: argparse.Namespace) -> Dict[str, Any]:
