@@ -38,7 +38,11 @@ spare, and its temp counts the heap's unused bytes twice (docs/tpu.md, "What the
 is"): SPMD FSDPv2's Llama-3.1-8B step, fp32, checkpointed, on v5e-8, is accepted with a peak of
 16.07 GiB, above the 15.75 the compiler has. So the margin is the HBM the compiler has less that
 peak, a loose figure, and with ``--smallest-hbm`` less the smallest HBM the step compiles in
-(``tpu_compiler.smallest_hbm``: 5-12 more compiles), what it needs.
+(``tpu_compiler.smallest_hbm``: 5-12 more compiles), what it needs. A step the compiler refuses
+with libtpu's own scheduler target, when the request sets none, is compiled once more at 90 (%):
+Qwen2.5-7B and Llama-3.1-8B, fp32, checkpointed, on v5e-8, are refused at libtpu's 95 and accepted
+at 90 ([Note: the scheduler's memory target]), so their verdict is "fits with
+``xla_fsdp_tpu_scheduler_memory_percent: 90``", the setting the user adds, not "does not fit".
 
 [Note: torch_xla's SPMD FSDPv2 beside ours]
 ``--compare spmd`` also compiles the same step under torch_xla's ``SpmdFullyShardedDataParallel``
@@ -285,6 +289,9 @@ class Step:
     not_compiled: str = ""  # why, when the figures are a lower bound ([Note: steps beyond HBM])
     hbm_available: float = 0.0  # the HBM the compiler had for the step, when it refused it
     smallest_hbm: float = 0.0  # the smallest HBM it compiles in, when searched ([Note: what a step needs])
+    # refused with libtpu's scheduler target and compiled at this one ([Note: the scheduler's memory target])
+    fits_with_scheduler_memory_percent: Optional[int] = None
+    refused_with_libtpu_default: str = ""  # the compiler's refusal then
 
     @classmethod
     def beyond_hbm(cls, argument: float, peak: float, floor: float, why: str, available: float = 0.0) -> Step:
@@ -397,6 +404,33 @@ def run_compile(python: Path, program: Path, request: Request, spmd: bool) -> Di
     return _json_line(done.stdout)
 
 
+def compile_step(
+    python: Path, program: Path, request: Request, engine: str, argument: float, floor: float
+) -> Tuple[Step, Request]:
+    """The engine's step as the compiler plans it, and the request it compiled with. A step refused
+    with libtpu's own scheduler target (the request sets none) is compiled again at
+    ``SCHEDULER_RETRY_PERCENT``, the setting a user would add ([Note: the scheduler's memory target])."""
+    spmd = engine == "spmd"
+    report = run_compile(python, program, request, spmd)
+    if "refused" not in report:
+        return Step.of(report, floor), request
+    why = f"{REFUSED}: {report['refused']}"
+    refused = Step.beyond_hbm(argument, max(argument, report["required"]), floor, why, report["available"])
+    if request.scheduler_memory_percent is not None:
+        return refused, request
+    retry = replace(request, scheduler_memory_percent=SCHEDULER_RETRY_PERCENT)
+    print(
+        f"plan: refused; compiling again with {SCHEDULER_KEY}: {SCHEDULER_RETRY_PERCENT}", file=sys.stderr, flush=True
+    )
+    report = run_compile(python, program, retry, spmd)
+    if "refused" in report:
+        return replace(refused, not_compiled=f"{why}; with {SCHEDULER_KEY}: {SCHEDULER_RETRY_PERCENT} too"), request
+    step = Step.of(report, floor)
+    return replace(
+        step, fits_with_scheduler_memory_percent=SCHEDULER_RETRY_PERCENT, refused_with_libtpu_default=why
+    ), retry
+
+
 def run_smallest_hbm(python: Path, program: Path, request: Request, spmd: bool) -> float:
     """[Note: what a step needs]: the smallest HBM the compiler accepts the step in, bytes."""
     print(f"plan: finding the smallest HBM the step compiles in on {request.slice.name}", file=sys.stderr, flush=True)
@@ -453,17 +487,12 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
                 )
                 steps["ours"] = Step.beyond_hbm(traced["argument"], traced["argument"], traced["floor"], why)
                 break
-            report = run_compile(python, program, request, spmd=engine == "spmd")
-            if "refused" in report:  # SPMD: the same parameters and state per chip as ours
-                argument = steps["ours"].argument if engine == "spmd" else traced["argument"]
-                peak = max(argument, report["required"])
-                why = f"{REFUSED}: {report['refused']}"
-                steps[engine] = Step.beyond_hbm(argument, peak, traced["floor"], why, report["available"])
-            else:
-                steps[engine] = Step.of(report, traced["floor"])
-                if args.smallest_hbm:
-                    needed = run_smallest_hbm(python, program, request, spmd=engine == "spmd")
-                    steps[engine] = replace(steps[engine], smallest_hbm=needed)
+            # SPMD: the same parameters and state per chip as ours
+            argument = steps["ours"].argument if engine == "spmd" else traced["argument"]
+            steps[engine], compiled_with = compile_step(python, program, request, engine, argument, traced["floor"])
+            if args.smallest_hbm and not steps[engine].not_compiled:
+                needed = run_smallest_hbm(python, program, compiled_with, spmd=engine == "spmd")
+                steps[engine] = replace(steps[engine], smallest_hbm=needed)
     result: Dict[str, Any] = {
         "model": args.model,
         "model_type": config.model_type,
@@ -516,7 +545,7 @@ def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) 
 
 LM_HEAD_KEY = "xla_fsdp_reduce_scatter_in_linear_backward"
 SCHEDULER_KEY = "xla_fsdp_tpu_scheduler_memory_percent"
-SCHEDULER_HINT_PERCENT = 90  # [Note: the scheduler's memory target]
+SCHEDULER_RETRY_PERCENT = 90  # a refused step is compiled again at it ([Note: what a step needs])
 
 
 def _launch_settings(args: argparse.Namespace) -> Tuple[str, bool, bool, Optional[int]]:
@@ -584,14 +613,14 @@ def hints(result: Dict[str, Any]) -> List[str]:
             "tied table's full gradient is then never held through backward (Llama-3.2-1B on v5e-8, its "
             "tables gathered whole: 3.23 against 4.53 GiB at full depth; docs/tpu.md)"
         )
-    refused = result["not_compiled"].startswith(REFUSED)
-    if refused and result["scheduler_memory_percent"] is None:
+    tried = result["scheduler_memory_percent"] or SCHEDULER_RETRY_PERCENT  # plan retries a refusal at 90
+    if result["not_compiled"].startswith(REFUSED) and tried > 1:
         found.append(
-            f"{SCHEDULER_KEY}: {SCHEDULER_HINT_PERCENT} in the --config_file (the launcher passes it as "
-            f"LIBTPU_INIT_ARGS={tpu_compiler.libtpu_init_args(SCHEDULER_HINT_PERCENT)}): the TPU compiler's "
-            "scheduler then plans for memory (Qwen2.5-7B and "
-            "Llama-3.1-8B, fp32, checkpointed, on v5e-8: refused with libtpu's 95, compiled at 90; its cost in "
-            "step time is not measured; docs/tpu.md)"
+            f"{SCHEDULER_KEY} below {tried} in the --config_file (plan --scheduler-memory-percent N to try one; "
+            f"the launcher passes it to libtpu as --{tpu_compiler.SCHEDULER_MEMORY_FLAG}): the "
+            "lower the share of HBM the TPU compiler's scheduler plans within, the more it orders the step for "
+            "memory over overlap (Qwen2.5-7B, fp32, checkpointed, on v5e-8: temp 5,414 MiB at 90, 3,684 at 1; its "
+            "cost in step time is not measured; docs/tpu.md)"
         )
     found.append(
         f"more chips: parameters and optimizer state take {result['argument'] / GIB:.1f} GiB per chip here and "
@@ -635,6 +664,13 @@ def format_plan(r: Dict[str, Any]) -> str:
         flag = tpu_compiler.libtpu_init_args(r["scheduler_memory_percent"])
         lines.append(f"compiled with LIBTPU_INIT_ARGS={flag} ({SCHEDULER_KEY}), every engine")
     lines += [f"{prefix(label)}not compiled: {e['not_compiled']}" for label, e in engines if e["not_compiled"]]
+    for label, e in engines:
+        if e["fits_with_scheduler_memory_percent"] is not None:
+            flag = tpu_compiler.libtpu_init_args(e["fits_with_scheduler_memory_percent"])
+            lines.append(
+                f"{prefix(label)}{e['refused_with_libtpu_default']}, with libtpu's own scheduler target; "
+                f"compiled again with LIBTPU_INIT_ARGS={flag}"
+            )
     if r["compare"] and r["compare"] not in r:
         lines.append(f"{ENGINES[r['compare']]}: not traced (the same parameters and AdamW state per chip)")
     if columns:
@@ -655,7 +691,19 @@ def format_plan(r: Dict[str, Any]) -> str:
 
 
 def _verdict(e: Dict[str, Any], compiler_hbm: float, gib: Any) -> str:
-    """One engine's verdict, its margin against the HBM the compiler has ([Note: what a step needs])."""
+    """One engine's verdict; for a step compiled again at a scheduler target, the setting it needs."""
+    verdict = _margin_verdict(e, compiler_hbm, gib)
+    percent = e["fits_with_scheduler_memory_percent"]
+    if percent is None:
+        return verdict
+    return (
+        f"fits with {SCHEDULER_KEY}: {percent} in the launch config's fsdp_config, and not without it; "
+        f"with it, {verdict}"
+    )
+
+
+def _margin_verdict(e: Dict[str, Any], compiler_hbm: float, gib: Any) -> str:
+    """Whether it fits, by its margin against the HBM the compiler has ([Note: what a step needs])."""
     available = e["hbm_available"] or compiler_hbm
     has = f"the {gib(available)} of HBM the compiler has per chip"
     if not e["fits"]:

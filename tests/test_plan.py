@@ -196,13 +196,65 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
     result.update(lm_head_gradient_in_backward=False, vocabulary_kept_sharded=True)  # the TPU default when tied
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
-    # refused by the compiler: its scheduler's memory target, unless the step set one
+    # refused by the compiler, which plan retried at the scheduler's target 90: a lower one
     result.update(not_compiled=f"{plan.REFUSED}: Ran out of memory on HBM")
     found = plan.hints(result)
-    assert [h.split(" ")[0] for h in found] == ["xla_fsdp_tpu_scheduler_memory_percent:", "more"]
-    assert "LIBTPU_INIT_ARGS=--xla_tpu_scheduler_percent_shared_memory_limit=90" in found[0]
-    result.update(scheduler_memory_percent=90)
+    assert [h.split(" ")[0] for h in found] == ["xla_fsdp_tpu_scheduler_memory_percent", "more"]
+    assert found[0].startswith("xla_fsdp_tpu_scheduler_memory_percent below 90 in the --config_file")
+    result.update(scheduler_memory_percent=50)  # the user's own, not retried
+    assert plan.hints(result)[0].startswith("xla_fsdp_tpu_scheduler_memory_percent below 50 ")
+    result.update(scheduler_memory_percent=1)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
+
+
+def test_a_refused_step_is_compiled_again_at_the_schedulers_target(tiny: Path, monkeypatch) -> None:
+    """[Note: what a step needs]: a step the compiler refuses with libtpu's own scheduler target
+    (Qwen2.5-7B, fp32, checkpointed, v5e-8) is compiled again at 90 and fits with the setting,
+    which the verdict names. Traced for real; the compiler is a stub refusing any step compiled
+    without LIBTPU_INIT_ARGS, and the step at 90 too when told to."""
+    calls: List[Any] = []
+    refuse_at_90 = False
+    refusal = "Ran out of memory on HBM: HLO temporaries (15.96G) exceeds available HBM (15.75G)"
+
+    def compile_stub(python: Path, program: Path, request: plan.Request, spmd: bool) -> Dict[str, Any]:
+        flags = plan.compiler_env(request).get("LIBTPU_INIT_ARGS", "")
+        calls.append((spmd, flags))
+        if not flags or refuse_at_90:
+            return {"refused": refusal, "required": 15.96 * GIB, "available": V5E, "parts": {}}
+        figures = {k: 1.0 for k in plan.FIGURES[:-1]}
+        return {**figures, "peak": 15.9 * GIB, "collectives": {}}
+
+    monkeypatch.setattr(plan, "run_compile", compile_stub)
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.setenv(plan.TPU_PYTHON_ENV, sys.executable)  # any Python: nothing is compiled
+    argv = ["plan", str(tiny), "--topology", "v5e-8", "--seq", "64", "--precision", "fp32"]
+    result = plan.plan(cli.build_parser().parse_args([*argv, "--compare", "spmd"]))
+    retried = [(False, ""), (False, "--xla_tpu_scheduler_percent_shared_memory_limit=90")]
+    assert calls == [*retried, (True, ""), (True, "--xla_tpu_scheduler_percent_shared_memory_limit=90")]
+    for figures in (result, result["spmd"]):
+        assert figures["fits"] and figures["fits_with_scheduler_memory_percent"] == 90
+        assert figures["refused_with_libtpu_default"] == f"{plan.REFUSED}: {refusal}"
+    assert result["scheduler_memory_percent"] is None and result["hints"] == []  # the request's: none set
+    text = plan.format_plan(result)
+    assert f"ours: {plan.REFUSED}: {refusal}, with libtpu's own scheduler target; compiled again with " in text
+    verdict = next(line for line in text.splitlines() if line.startswith("verdict, ours: "))
+    assert verdict.startswith(
+        "verdict, ours: fits with xla_fsdp_tpu_scheduler_memory_percent: 90 in the launch config's fsdp_config, "
+        "and not without it; with it, fits"
+    ), verdict
+    # refused at 90 too: it does not fit, and the hint is a lower target
+    calls.clear()
+    refuse_at_90 = True
+    result = plan.plan(cli.build_parser().parse_args(argv))
+    assert calls == retried
+    assert not result["fits"] and result["fits_with_scheduler_memory_percent"] is None
+    assert result["not_compiled"].endswith("; with xla_fsdp_tpu_scheduler_memory_percent: 90 too")
+    assert result["hints"][-2].startswith("xla_fsdp_tpu_scheduler_memory_percent below 90 ")
+    # a target the user set is the one compiled: no retry
+    calls.clear()
+    result = plan.plan(cli.build_parser().parse_args([*argv, "--scheduler-memory-percent", "80"]))
+    assert calls == [(False, "--xla_tpu_scheduler_percent_shared_memory_limit=80")]
+    assert not result["fits"] and result["hints"][-2].startswith("xla_fsdp_tpu_scheduler_memory_percent below 80 ")
 
 
 def _parameter_types(program: Path) -> List[str]:
