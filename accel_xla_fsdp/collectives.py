@@ -11,12 +11,15 @@ groups are gathered together and share one bucket, never another unit's.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _xla
 from .param_group import ShardedParamGroup, adopt_gathered
+
+# A group whose gradient was reduced, with the reduced gradient as it passed the barrier.
+Reduced = Tuple[ShardedParamGroup, torch.Tensor]
 
 
 def gather_groups(
@@ -68,9 +71,9 @@ class GradBucket:
         self._grads: List[torch.Tensor] = []
         self._bytes = 0
 
-    def add(self, group: ShardedParamGroup, barrier: bool) -> List[torch.Tensor]:
-        """Take ``group``'s full gradients; returns the reduced gradient shards if that filled
-        the bucket (and so reduced it), else nothing."""
+    def add(self, group: ShardedParamGroup, barrier: bool) -> List[Reduced]:
+        """Take ``group``'s full gradients; returns the groups with their reduced gradient shards
+        if that filled the bucket (and so reduced it), else nothing."""
         self.groups_taken += 1
         full = group.take_full_grad()
         if full is None:
@@ -82,21 +85,22 @@ class GradBucket:
         self._bytes += full.numel() * full.element_size()
         return self.flush(barrier) if self._bytes > self.limit_bytes else []
 
-    def take_reduced(self, group: ShardedParamGroup, reduced: torch.Tensor, barrier: bool) -> List[torch.Tensor]:
+    def take_reduced(self, group: ShardedParamGroup, reduced: torch.Tensor, barrier: bool) -> List[Reduced]:
         """Take ``group`` with its gradient already reduced (``reduced``, this replica's shard of it,
-        ``ShardedParamGroup.reduce_linear_weight_grad``) into its ``shard.grad``; returns it as it passed the
-        barrier (``ShardedParamGroup.add_reduced_grad``)."""
+        ``ShardedParamGroup.reduce_linear_weight_grad``) into its ``shard.grad``; returns it with
+        the gradient as it passed the barrier (``ShardedParamGroup.add_reduced_grad``)."""
         self.groups_taken += 1
-        return [group.add_reduced_grad(reduced, barrier)]
+        return [(group, group.add_reduced_grad(reduced, barrier))]
 
-    def end_backward(self, barrier: bool) -> List[torch.Tensor]:
+    def end_backward(self, barrier: bool) -> List[Reduced]:
         """The unit's backward is done: reduce what is left."""
         self.groups_taken = 0
         return self.flush(barrier)
 
-    def flush(self, barrier: bool) -> List[torch.Tensor]:
+    def flush(self, barrier: bool) -> List[Reduced]:
         """Reduce-scatter the bucket (mean over the sharding group) into its groups' ``shard.grad``;
-        returns the reduced gradient shards as they passed the barrier. Call under ``torch.no_grad()``."""
+        returns the groups with their reduced gradient shards as they passed the barrier. Call
+        under ``torch.no_grad()``."""
         if not self._groups:
             return []
         groups, grads = self._groups, self._grads
@@ -109,4 +113,4 @@ class GradBucket:
             reduced = _xla.reduce_scatter_sum_coalesced(
                 grads, world, 1.0 / world, sharding.groups, options.pin_layout_in_collective_ops
             )
-        return [group.add_reduced_grad(r, barrier) for group, r in zip(groups, reduced)]
+        return [(group, group.add_reduced_grad(r, barrier)) for group, r in zip(groups, reduced)]

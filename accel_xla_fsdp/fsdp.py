@@ -42,7 +42,7 @@ from .options import (
 )
 from .param_group import ShardedParamGroup
 from .state_dict import WRAPPED_MODULE, full_state_dict, kept_here, model_state_dict, shard_metadata
-from .unit_state import STATE_ATTRIBUTE, RootState, TrainingState, UnitState, holding_full_params
+from .unit_state import STATE_ATTRIBUTE, RootState, TrainingState, UnitState, holding_full_params, script_stepped
 from .wrap import recursive_wrap, resolve_policy
 from .xla_cpu.rendezvous import agree
 
@@ -174,6 +174,21 @@ class XlaFullyShardedDataParallel(nn.Module):
         if not self.is_root:
             raise RuntimeError(f"{what} applies to the whole model: call it on the root wrapper (the outermost)")
 
+    def apply_optimizer_in_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer``'s update of each unit in backward, as soon as its gradients are
+        reduced ([Note: the optimizer in backward]); the script's ``optimizer.step()`` after
+        backward then steps only what was not. ``optimizer`` steps this model's shards (a
+        ``torch.optim`` optimizer: it skips a parameter without a gradient). No gradient clipping."""
+        self._check_root("apply_optimizer_in_backward")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"apply_optimizer_in_backward takes a torch.optim.Optimizer (the one a wrapper such as "
+                f"Accelerate's holds as .optimizer), not {type(optimizer).__name__}"
+            )
+        state = self.unit_state.root_state
+        state.optimizer_in_backward = optimizer
+        optimizer.register_step_post_hook(lambda *_: script_stepped(state))
+
     @torch.no_grad()
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, groups: Optional[List[List[int]]] = None
@@ -185,6 +200,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         replica, on the root. Returns the total norm before clipping.
         """
         self._check_root("clip_grad_norm_")
+        if self.unit_state.root_state.optimizer_in_backward is not None:
+            raise RuntimeError(
+                "clip_grad_norm_: the optimizer steps in backward (apply_optimizer_in_backward, or the "
+                "Accelerate plugin's xla_fsdp_optimizer_in_backward), each update made before the norm of all "
+                "gradients is known. Turn it off to clip, or do not clip (the Trainer: max_grad_norm=0)"
+            )
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         norm_type = float(norm_type)
         dev = _xla.device()

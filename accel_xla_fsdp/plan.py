@@ -236,16 +236,19 @@ def _trace_one(spec: Dict[str, Any], config: Any, out: Path) -> Dict[str, float]
 
     compute_dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
     model = _model_on_meta(config)
-    wrapped = XlaFsdpPlugin().wrap(
+    plugin = XlaFsdpPlugin()
+    wrapped = plugin.wrap(
         model, compute_dtype, checkpoint_blocks=spec["checkpointing"], param_init_fn=PlaceholderShards()
     )
     ids = _xla.placeholder((spec["batch"], spec["seq"]), torch.long)
-    exported = tpu_program.export_training_step(wrapped, ids, out)
+    in_backward = bool(plugin.optimizer_in_backward)
+    exported = tpu_program.export_training_step(wrapped, ids, out, optimizer_in_backward=in_backward)
     return {
         "floor": tpu_program.communication_floor(wrapped),
         "argument": exported.argument_bytes,
         "vocabulary_kept_sharded": tpu_program.keeps_a_table_sharded(wrapped),
         "lm_loss_in_chunks": sharded_loss.installed(wrapped.module),
+        "optimizer_in_backward": in_backward,
     }
 
 
@@ -471,13 +474,14 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     )
     engines = ["ours", *([args.compare] if args.compare else [])]
     steps: Dict[str, Step] = {}
-    kept_sharded = loss_in_chunks = False
+    kept_sharded = loss_in_chunks = in_backward = False
     with tempfile.TemporaryDirectory(prefix="accel-xla-fsdp-plan-") as tmp:
         for engine in engines:
             program, traced = run_trace(request, engine, Path(tmp))
             if engine == "ours":
                 kept_sharded = bool(traced["vocabulary_kept_sharded"])
                 loss_in_chunks = bool(traced["lm_loss_in_chunks"])
+                in_backward = bool(traced["optimizer_in_backward"])
             if args.hlo_out and engine == "ours":
                 shutil.copyfile(program, args.hlo_out)
             if engine == "ours" and traced["argument"] > the_slice.compiler_hbm:  # [Note: steps beyond HBM]
@@ -511,6 +515,7 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "lm_head_gradient_in_backward": lm_head_in_backward,
         "vocabulary_kept_sharded": kept_sharded,
         "lm_loss_in_chunks": loss_in_chunks,
+        "optimizer_in_backward": in_backward,
         "scheduler_memory_percent": scheduler_percent,
         "parameter_dtype": parameter_dtype,
         "config_dtype": config_dtype,
@@ -545,6 +550,7 @@ def engine_figures(step: Step, the_slice: Slice, floor: Optional[float] = None) 
 
 LM_HEAD_KEY = "xla_fsdp_reduce_scatter_in_linear_backward"
 SCHEDULER_KEY = "xla_fsdp_tpu_scheduler_memory_percent"
+IN_BACKWARD_KEY = "xla_fsdp_optimizer_in_backward"
 SCHEDULER_RETRY_PERCENT = 90  # a refused step is compiled again at it ([Note: what a step needs])
 
 
@@ -613,8 +619,15 @@ def hints(result: Dict[str, Any]) -> List[str]:
             "tied table's full gradient is then never held through backward (Llama-3.2-1B on v5e-8, its "
             "tables gathered whole: 3.23 against 4.53 GiB at full depth; docs/tpu.md)"
         )
+    refused = result["not_compiled"].startswith(REFUSED)
+    if refused and not result["optimizer_in_backward"]:
+        found.append(
+            f"{IN_BACKWARD_KEY}: true in the --config_file: each unit's AdamW update made in backward, so the "
+            "compiler does not hold every reduced gradient to the step's end (Qwen2.5-7B, fp32, checkpointed, on "
+            "v5e-8: 14.17 GiB with it, refused without; no gradient clipping; docs/tpu.md)"
+        )
     tried = result["scheduler_memory_percent"] or SCHEDULER_RETRY_PERCENT  # plan retries a refusal at 90
-    if result["not_compiled"].startswith(REFUSED) and tried > 1:
+    if refused and tried > 1:
         found.append(
             f"{SCHEDULER_KEY} below {tried} in the --config_file (plan --scheduler-memory-percent N to try one; "
             f"the launcher passes it to libtpu as --{tpu_compiler.SCHEDULER_MEMORY_FLAG}): the "
@@ -657,6 +670,7 @@ def format_plan(r: Dict[str, Any]) -> str:
         f"gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}, AdamW"
         + (", the vocabulary's tables kept sharded" if r["vocabulary_kept_sharded"] else "")
         + (", the loss from lm_head's chunks" if r["lm_loss_in_chunks"] else "")
+        + (", AdamW stepping each unit in backward" if r["optimizer_in_backward"] else "")
         + (f", settings of {r['config_file']}" if r["config_file"] else ""),
         f"traced at full depth ({depth})" + _attention_note(r),
     ]

@@ -130,14 +130,21 @@ def export_step(outputs: Sequence[torch.Tensor], donations: Optional[Donations],
 
 
 def export_training_step(
-    model: torch.nn.Module, input_ids: torch.Tensor, path: Path, autocast: bool = False
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    path: Path,
+    autocast: bool = False,
+    optimizer_in_backward: bool = False,
 ) -> ExportedProgram:
     """Trace one steady training step of a causal LM on ``input_ids`` (their own labels):
     forward, backward, AdamW with its state present (placeholders), and export it
     (``export_step``). Nothing runs. ``autocast``: under ``torch.autocast`` in bf16 (for a
-    model that has no compute dtype of its own, as SPMD's)."""
+    model that has no compute dtype of its own, as SPMD's). ``optimizer_in_backward``: ours,
+    AdamW stepping each unit in backward (``apply_optimizer_in_backward``)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     placeholder_optimizer_state(optimizer)
+    if optimizer_in_backward:
+        model.apply_optimizer_in_backward(optimizer)  # type: ignore[operator]
     donations = Donations.of_step(model, optimizer)
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
         loss = model(input_ids=input_ids, labels=input_ids).loss

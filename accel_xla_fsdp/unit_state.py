@@ -45,6 +45,19 @@ graph (each collective's operand is ``input + token``), and XLA:CPU removes the 
 after its first CSE pass, before fusion and scheduling. It then issued gathers blocks ahead of
 their use; so on the CPU a gather's dependencies also enter its operand as an exact zero
 (``_xla.order_after``), which the scheduler must respect (tests/test_memory.py).
+
+[Note: the optimizer in backward]
+With ``apply_optimizer_in_backward(optimizer)`` (the Accelerate plugin's
+``xla_fsdp_optimizer_in_backward``) each group's update is made in backward, as soon as its
+gradient is reduced: ``optimizer.step()`` with every other parameter's gradient set aside, after
+which the gradient is dropped, and the updated shards join the barrier before the next unit's
+backward gather. The TPU compiler's scheduler otherwise makes every update at the step's end,
+holding each layer's reduced gradient shard through the rest of backward (docs/tpu.md, "The
+scheduler's memory target"); the barrier pins each update where it is made. The script's own
+``optimizer.step()`` then steps what is left: the vocabulary's tables kept sharded, whose
+gradient autograd accumulates on the shard, and parameters without gradients. Under ``no_sync``
+nothing is stepped; the micro-batch that syncs steps the accumulated gradient. Gradient clipping
+needs every gradient before the first update, so ``clip_grad_norm_`` refuses.
 """
 
 from __future__ import annotations
@@ -63,7 +76,7 @@ from torch.utils._pytree import tree_map
 
 from . import _xla, embedding, linear, sharded_loss, sharded_tables
 from .checkpointing import in_recompute
-from .collectives import GradBucket, gather_groups
+from .collectives import GradBucket, Reduced, gather_groups
 from .options import FsdpOptions, ShardingGroup
 from .param_group import ShardedParamGroup, free_groups
 from .xla_cpu.graph_boundaries import before_graph_cut
@@ -347,7 +360,8 @@ class UnitState:
             # and takes the group as usual. Reduce-scattering is linear: the sum is the same.
             group.add_reduced_grad(reduced, barrier)
             return True
-        self.grad_bucket.take_reduced(group, reduced, barrier)
+        taken = self.grad_bucket.take_reduced(group, reduced, barrier)
+        self.root_state.step_in_backward(taken)
         self._end_if_all_in()
         return True
 
@@ -371,9 +385,12 @@ class UnitState:
         """Every gradient of the unit is in: reduce what its bucket still holds."""
         self._note_reduced(self.grad_bucket.end_backward(self.options.optimization_barrier_in_backward))
 
-    def _note_reduced(self, reduced: List[torch.Tensor]) -> None:
+    def _note_reduced(self, reduced: List[Reduced]) -> None:
+        updated = self.root_state.step_in_backward(reduced)
         if self.options.optimization_barrier_in_backward:
-            self.root_state.reduced_grads.extend(reduced)
+            # The next unit's backward gather waits for these, and for the shards the optimizer
+            # updated from them ([Note: the optimizer in backward]).
+            self.root_state.reduced_grads.extend([grad for _, grad in reduced] + updated)
 
 
 class RootState:
@@ -392,10 +409,35 @@ class RootState:
         self.finalize_queued = False
         self.forward_order: List[UnitState] = []  # of the last forward
         self.sync_gradients = True
+        self.optimizer_in_backward: Optional[torch.optim.Optimizer] = None  # [Note: the optimizer in backward]
+        self.stepped_in_backward = False  # in this backward
+        self.awaiting_step = False  # stepped in a backward, and the script's step not called since
+        self.in_backward_step = False  # the optimizer is stepping for us, not for the script
         for unit in self.units:
             unit.root_state = self
             unit.keep_tables_sharded(unit is self.root)
         _track_root(self)
+
+    def step_in_backward(self, reduced: List[Reduced]) -> List[torch.Tensor]:
+        """[Note: the optimizer in backward]: with an optimizer given, step the groups whose
+        gradients were just reduced, and only them; returns their updated shards."""
+        optimizer = self.optimizer_in_backward
+        shards: List[torch.Tensor] = [group.shard for group, _ in reduced if group.shard.grad is not None]
+        if optimizer is None or not self.sync_gradients or not shards:
+            return []
+        if self.awaiting_step:
+            raise RuntimeError(
+                "a second backward stepped the optimizer before its step() was called: with the optimizer "
+                "in backward each backward that syncs applies its gradients, so accumulate over micro-batches "
+                "under model.no_sync() (Accelerate's accumulate() does) and call optimizer.step() after each "
+                "backward that syncs"
+            )
+        self.stepped_in_backward = True
+        with _only_grads_of(optimizer, shards), _in_backward_step(self):
+            optimizer.step()
+        for shard in shards:
+            shard.grad = None  # applied: the step after backward leaves it alone
+        return shards
 
     def units_under(self, unit: UnitState) -> List[Tuple[str, UnitState]]:
         """``unit`` (named ``""``) and the units inside it, named under it."""
@@ -454,8 +496,42 @@ class RootState:
         self.backward_deps.clear()
         self.reduced_grads.clear()
         self.finalize_queued = False
+        self.awaiting_step = self.awaiting_step or self.stepped_in_backward
+        self.stepped_in_backward = False
         if self.root.options.sync_on_finalization:
             _xla.sync()
+
+
+@contextmanager
+def _in_backward_step(state: RootState) -> Iterator[None]:
+    """Marks the optimizer's step as ours, which its step hook (``script_stepped``) ignores."""
+    state.in_backward_step = True
+    try:
+        yield
+    finally:
+        state.in_backward_step = False
+
+
+def script_stepped(state: RootState) -> None:
+    """The optimizer's step hook: a step the script called ends the wait for it."""
+    if not state.in_backward_step:
+        state.awaiting_step = False
+
+
+@contextmanager
+def _only_grads_of(optimizer: torch.optim.Optimizer, shards: List[torch.Tensor]) -> Iterator[None]:
+    """The optimizer's other parameters without their gradients for the duration: a
+    ``torch.optim`` optimizer skips a parameter whose gradient is None."""
+    keep = {id(s) for s in shards}
+    others = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and id(p) not in keep]
+    grads = [p.grad for p in others]
+    for p in others:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(others, grads):
+            p.grad = grad
 
 
 # Replica threads wrap models and sync at once. Not a WeakSet: one iterated in a replica's sync

@@ -118,7 +118,7 @@ def trace_ours(args: argparse.Namespace, path: Path, flat: bool, dim0: bool, kee
             **{"keep_vocabulary_sharded": keep_vocabulary, **json.loads(args.options)},
         )
         ids = _xla.placeholder((1, args.seq), torch.long)
-        tpu_program.export_training_step(model, ids, path)
+        tpu_program.export_training_step(model, ids, path, optimizer_in_backward=args.optimizer_in_backward)
         return tpu_program.communication_floor(model)
 
 
@@ -200,6 +200,7 @@ def run_trace(args: argparse.Namespace, variant: str, precision: str, chips: int
     cmd = [sys.executable, __file__, "--trace", variant, "--precision", precision, "--chips", str(chips)]
     cmd += [str(a) for a in model] + ["--out", str(path)] + (["--checkpoint"] if args.checkpoint else [])
     cmd += ["--embedding-units"] if args.embedding_units else []
+    cmd += ["--optimizer-in-backward"] if args.optimizer_in_backward else []
     print(f"tracing {variant} {precision} for {chips} chips", file=sys.stderr, flush=True)
     subprocess.run(_locked(cmd, args.lock), env=trace_env(variant, chips), check=True, capture_output=not args.verbose)
     return path
@@ -296,6 +297,7 @@ def main() -> None:
     add_model_arguments(p)
     p.add_argument("--options", default="{}", help="more of our FSDP options, as JSON (ours only)")
     p.add_argument("--embedding-units", action="store_true", help="ours: the embedding and lm_head units of their own")
+    p.add_argument("--optimizer-in-backward", action="store_true", help="ours: AdamW steps each unit in backward")
     p.add_argument("--lock", help="run each trace and compile under `flock LOCK`")
     p.add_argument("--dump-to", help="keep the compiler's dumps (buffer assignments) under this directory")
     p.add_argument("--temp", type=int, default=8, help="with --dump-to: print the N largest values at the temp's peak")

@@ -8,6 +8,7 @@ reference loss equals the mean of the replicas' losses and its gradient the mean
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -36,6 +37,7 @@ class Case:
     accumulation: int = 1
     clip: Optional[float] = None
     checkpoint: bool = False  # activation checkpointing inside every auto-wrapped unit
+    in_backward: bool = False  # the optimizer steps each unit in backward (apply_optimizer_in_backward)
 
     @property
     def fsdp_kwargs(self) -> Dict[str, Any]:
@@ -47,6 +49,7 @@ class Case:
         extra = f"-accum{self.accumulation}" if self.accumulation > 1 else ""
         extra += f"-clip{self.clip}" if self.clip else ""
         extra += "-checkpointed" if self.checkpoint else ""
+        extra += "-in-backward" if self.in_backward else ""
         return f"{self.model}-{opts}-{self.optimizer}{extra}"
 
 
@@ -285,13 +288,18 @@ def train_fsdp(rank: int, world: int, case: Case) -> Trace:
     """Replica ``rank`` of ``world``: FSDP training on its slice of every global batch."""
     model = wrap(case.model, build(case.model), rank, world, case.fsdp_kwargs, case.checkpoint)
     optimizer = make_optimizer(case.optimizer, model.parameters())
+    if case.in_backward:
+        model.apply_optimizer_in_backward(optimizer)
     dev, trace = _xla.device(), Trace()
     for step in range(case.steps):
         step_loss = torch.zeros((), device=dev)
         for micro in range(case.accumulation):
             x, y = (t.to(dev) for t in local_slice(global_batch(case.model, step, micro, world), rank))
-            loss = compute_loss(case.model, model, x, y) / case.accumulation
-            loss.backward()
+            # in backward, the optimizer steps at the backward that syncs: the others under no_sync
+            last = micro == case.accumulation - 1
+            with model.no_sync() if case.in_backward and not last else contextlib.nullcontext():
+                loss = compute_loss(case.model, model, x, y) / case.accumulation
+                loss.backward()
             step_loss = step_loss + loss.detach()
         if case.clip:
             trace.grad_norms.append(model.clip_grad_norm_(case.clip))

@@ -137,10 +137,13 @@ def test_prepare_errors_name_what_is_wrong(pools, tmp_path: Path) -> None:
 
 
 STEPS = 3
-LAYOUTS = {  # name: (flatten_parameters, optimizer prepared in a later prepare() call)
-    "flat": (True, False),
-    "per-parameter": (False, False),
-    "per-parameter, optimizer later": (False, True),
+LAYOUTS = {  # name: (flatten_parameters, optimizer prepared in a later prepare() call, in backward)
+    "flat": (True, False, False),
+    "per-parameter": (False, False, False),
+    "per-parameter, optimizer later": (False, True, False),
+    # xla_fsdp_optimizer_in_backward: each unit stepped in backward ([Note: the optimizer in backward])
+    "flat, optimizer in backward": (True, False, True),
+    "per-parameter, optimizer later, in backward": (False, True, True),
 }
 
 
@@ -151,8 +154,8 @@ def batch(world: int) -> torch.Tensor:
 def train_with_decay_groups(rank: int, world: int, layout: str) -> Dict[str, Any]:
     """``STEPS`` AdamW steps on this replica's rows, the optimizer in two groups (weight decay 0.1
     and 0): its groups' shards, the losses and the final weights."""
-    flatten, later = LAYOUTS[layout]
-    acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=flatten))
+    flatten, later, in_backward = LAYOUTS[layout]
+    acc = Accelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=flatten, optimizer_in_backward=in_backward))
     model = script.build_model()
     optimizer = script.optimizer_for(model)
     if later:
@@ -160,6 +163,8 @@ def train_with_decay_groups(rank: int, world: int, layout: str) -> Dict[str, Any
         optimizer = acc.prepare(optimizer)
     else:
         model, optimizer = acc.prepare(model, optimizer)
+    stepping_in_backward = model.unit_state.root_state.optimizer_in_backward
+    assert (stepping_in_backward is optimizer.optimizer) if in_backward else stepping_in_backward is None
     groups = [{id(p) for p in g["params"]} for g in optimizer.param_groups]
     shards = {id(p) for p in model.parameters()}
     ids = batch(world)[rank::world].to(acc.device)
@@ -197,7 +202,7 @@ def test_param_groups_keep_their_settings_in_every_layout(pools, layout: str) ->
     blocks = script.model_config().num_hidden_layers
     for out in results:
         assert out["every shard in one group"]
-        if layout == "flat":  # each unit's shard split in two: decayed matrices, undecayed norms
+        if LAYOUTS[layout][0]:  # flat: each unit's shard split in two, decayed matrices, undecayed norms
             assert (out["shards"], out["in groups"]) == (2 * (blocks + 1), [blocks + 1, blocks + 1])
         losses = torch.stack([r["losses"] for r in results]).mean(0)
         torch.testing.assert_close(losses, torch.tensor(plain_losses), rtol=1e-5, atol=1e-6)

@@ -46,6 +46,19 @@ def tied_across_units() -> None:
     FSDP(model)
 
 
+def stepped_in_backward() -> XlaFullyShardedDataParallel:
+    model = FSDP(nn.Linear(4, 4))
+    model.apply_optimizer_in_backward(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(2, 4, device=_xla.device())).sum().backward()
+    return model
+
+
+def two_backwards_in_backward() -> None:
+    """Accumulating without no_sync: the second backward would apply its gradients on top."""
+    model = stepped_in_backward()
+    model(torch.ones(2, 4, device=_xla.device())).sum().backward()
+
+
 def bad_inputs(rank: int, world: int) -> Dict[str, str]:
     wrapped_once = nn.Linear(4, 4)
     wrapper = FSDP(wrapped_once)
@@ -77,6 +90,9 @@ def bad_inputs(rank: int, world: int) -> Dict[str, str]:
         ),
         "optimizer_on_unwrapped_params": optimizer_on_unwrapped_params,
         "tied_across_units": tied_across_units,
+        "clip_in_backward": lambda: stepped_in_backward().clip_grad_norm_(1.0),
+        "two_backwards_in_backward": two_backwards_in_backward,
+        "in_backward_not_an_optimizer": lambda: FSDP(nn.Linear(4, 4)).apply_optimizer_in_backward(object()),
     }
     return {name: attempt(fn) for name, fn in cases.items()}
 
@@ -105,6 +121,9 @@ EXPECTED = {
         "parameter '0.weight' is also used by",
         "wrap the modules that share it together",
     ),
+    "clip_in_backward": ("RuntimeError", "clip_grad_norm_: the optimizer steps in backward", "max_grad_norm=0"),
+    "two_backwards_in_backward": ("RuntimeError", "a second backward stepped the optimizer", "model.no_sync()"),
+    "in_backward_not_an_optimizer": ("TypeError", "takes a torch.optim.Optimizer", "not object"),
 }
 
 

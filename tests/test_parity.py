@@ -79,6 +79,13 @@ CASES = [
     # ... but gathered whole for an embedding of its own forward that holds it too (Gemma-2's)
     Case("scaled_tied", KEEP_SHARDED, optimizer="sgd"),
     Case("nested_linear", KEEP_SHARDED + NO_RESHARD),
+    # The optimizer stepping each unit in backward ([Note: the optimizer in backward]): the step
+    # after backward steps the rest (the tables kept sharded); over micro-batches; several
+    # buckets per unit; a head tied to the embedding, stepped once both parts are in.
+    Case("llama", DIM0, optimizer="adamw", accumulation=2, in_backward=True),
+    Case("llama", KEEP_SHARDED, optimizer="adamw", checkpoint=True, in_backward=True),
+    Case("llama", FLAT + SMALL_BUCKETS, optimizer="adam", in_backward=True),
+    Case("tied_transformer", LINEAR_RS, optimizer="sgd", in_backward=True),
 ]
 
 

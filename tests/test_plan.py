@@ -171,7 +171,7 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     result: Dict[str, Any] = {"fits": False, "precision": "fp32", "gradient_checkpointing": False}
     result.update(batch_per_chip=4, argument=20 * GIB, tied_embeddings=False, vocabulary_kept_sharded=False)
     result.update(lm_head_gradient_in_backward=False, lm_loss_in_chunks=False)
-    result.update(not_compiled="", scheduler_memory_percent=None)
+    result.update(not_compiled="", scheduler_memory_percent=None, optimizer_in_backward=False)
     found = plan.hints(result)
     assert [h.split(" ")[0] for h in found] == ["bf16", "gradient", "a", "more"]
     assert "20.0 GiB per chip" in found[-1]
@@ -196,12 +196,15 @@ def test_a_step_that_does_not_fit_gets_hints() -> None:
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
     result.update(lm_head_gradient_in_backward=False, vocabulary_kept_sharded=True)  # the TPU default when tied
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
-    # refused by the compiler, which plan retried at the scheduler's target 90: a lower one
+    # refused by the compiler, which plan retried at the scheduler's target 90: the optimizer in
+    # backward, and a lower target
     result.update(not_compiled=f"{plan.REFUSED}: Ran out of memory on HBM")
     found = plan.hints(result)
-    assert [h.split(" ")[0] for h in found] == ["xla_fsdp_tpu_scheduler_memory_percent", "more"]
-    assert found[0].startswith("xla_fsdp_tpu_scheduler_memory_percent below 90 in the --config_file")
-    result.update(scheduler_memory_percent=50)  # the user's own, not retried
+    first_words = ["xla_fsdp_optimizer_in_backward:", "xla_fsdp_tpu_scheduler_memory_percent", "more"]
+    assert [h.split(" ")[0] for h in found] == first_words
+    assert found[1].startswith("xla_fsdp_tpu_scheduler_memory_percent below 90 in the --config_file")
+    result.update(scheduler_memory_percent=50, optimizer_in_backward=True)  # the user's own, not retried
+    assert [h.split(" ")[0] for h in plan.hints(result)] == first_words[1:]
     assert plan.hints(result)[0].startswith("xla_fsdp_tpu_scheduler_memory_percent below 50 ")
     result.update(scheduler_memory_percent=1)
     assert [h.split(" ")[0] for h in plan.hints(result)] == ["more"]
@@ -465,6 +468,7 @@ def test_a_step_the_compiler_refuses_does_not_fit() -> None:
         hints=[],
         vocabulary_kept_sharded=False,
         lm_loss_in_chunks=False,
+        optimizer_in_backward=False,
         scheduler_memory_percent=None,
     )
     assert not result["fits"] and result["peak"] == 19.64 * GIB

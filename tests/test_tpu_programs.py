@@ -145,14 +145,24 @@ def _entry(optimized: str) -> List[str]:
     return optimized[optimized.index("\nENTRY ") :].split("\n}", 1)[0].splitlines()[1:]
 
 
-def _first_update_and_last_reduce_scatter(optimized: str) -> Tuple[int, int]:
-    """In the compiled step's schedule (the entry computation's order): where the first new
-    parameter or AdamW moment is made (the step's outputs that are not scalars: the loss and
-    AdamW's step counts are), and where the last reduce-scatter is."""
+@pytest.mark.parametrize("name", ["per_parameter", "bf16", "checkpointed", "dim0", "vocabulary_sharded"])
+def test_updates_need_not_wait_for_the_last_gradient(compiled, name: str) -> None:
+    """No barrier holds every gradient to the end of backward (``RootState._finalize_backward``),
+    so the compiler updates a unit's parameters once its gradients are reduced, before the step's
+    last reduce-scatter, and frees them (SPMD FSDPv2's program does the same; with the barrier,
+    torch_xla FSDP's, Llama-3.1-8B on v5p-8 held 3.4 GiB more, docs/tpu.md). On v5e; the v4
+    compiler leaves some of this tiny model's updates at the end where nothing presses it."""
+    updates, reduces = _update_and_reduce_positions(Path(compiled[name, "v5e-4"]["optimized"]).read_text())
+    assert updates[0] < reduces[-1]
+
+
+def _update_and_reduce_positions(optimized: str) -> Tuple[List[int], List[int]]:
+    """In the compiled step's schedule: where each new parameter or AdamW moment is made, and
+    where each reduce-scatter is."""
     from accel_xla_fsdp.tpu_compiler import _ARRAY, _INSTRUCTION, _KINDS
 
     made = {m["name"]: (i, m) for i, m in enumerate(map(_INSTRUCTION.match, _entry(optimized))) if m}
-    last_reduce = max(i for i, m in made.values() if _KINDS.get(m["opcode"]) == "reduce-scatter")
+    reduces = sorted(i for i, m in made.values() if _KINDS.get(m["opcode"]) == "reduce-scatter")
     root = next(m for _, m in made.values() if m.string.lstrip().startswith("ROOT"))
 
     def producer(name: str) -> Tuple[int, str]:
@@ -163,20 +173,37 @@ def _first_update_and_last_reduce_scatter(optimized: str) -> Tuple[int, int]:
 
     names = re.findall(r"%([\w.\-]+)", root["rest"])
     arrays = [name for name, shape in zip(names, _ARRAY.finditer(root["shape"])) if shape["dims"]]
-    outputs = [producer(name) for name in arrays]
-    return min(i for i, opcode in outputs if opcode != "parameter"), last_reduce
+    updates = sorted(i for i, opcode in map(producer, arrays) if opcode != "parameter")
+    return updates, reduces
 
 
-@pytest.mark.parametrize("name", ["per_parameter", "bf16", "checkpointed", "dim0", "vocabulary_sharded"])
-def test_updates_need_not_wait_for_the_last_gradient(compiled, name: str) -> None:
-    """No barrier holds every gradient to the end of backward (``RootState._finalize_backward``),
-    so the compiler updates a unit's parameters once its gradients are reduced, before the step's
-    last reduce-scatter, and frees them (SPMD FSDPv2's program does the same; with the barrier,
-    torch_xla FSDP's, Llama-3.1-8B on v5p-8 held 3.4 GiB more, docs/tpu.md). On v5e; the v4
-    compiler leaves some of this tiny model's updates at the end where nothing presses it."""
-    optimized = Path(compiled[name, "v5e-4"]["optimized"]).read_text()
-    first_update, last_reduce = _first_update_and_last_reduce_scatter(optimized)
-    assert first_update < last_reduce
+def _gathers_after_an_update(program: str) -> int:
+    """How many of the exported step's all-gathers read, through their operands, a value of an
+    optimizer update (AdamW's ``sqrt`` of its second moment, an op no forward or backward of
+    the model has: RMSNorm's is ``rsqrt``)."""
+    entry = _entry(program)
+    operands: Dict[str, List[str]] = {}
+    opcodes: Dict[str, str] = {}
+    for line in entry:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? ([a-z][\w\-]*)\((.*)$", line)
+        if m:
+            opcodes[m[1]] = m[2]
+            operands[m[1]] = re.findall(r"%([\w.\-]+)", m[3].split(", metadata=")[0])
+    after_update: Dict[str, bool] = {}
+    for name in opcodes:  # in the program's order: operands come first
+        after_update[name] = opcodes[name] == "sqrt" or any(after_update.get(o, False) for o in operands[name])
+    return sum(after_update[n] for n, op in opcodes.items() if op == "all-gather")
+
+
+def test_the_optimizer_in_backward_holds_each_gather_to_the_update_before(compiled) -> None:
+    """[Note: the optimizer in backward]: the updated shards pass the barrier before the next
+    unit's backward gather, so that gather reads the update, which the compiler must then make
+    first; without it no gather does, and the compiler makes the updates at the step's end
+    (Qwen2.5-7B, fp32, checkpointed, v5e-8: refused without, 14.17 GiB with it, docs/tpu.md)."""
+    in_backward = Path(compiled["optimizer_in_backward", TOPOLOGIES[0]]["program"]).read_text()
+    after_backward = Path(compiled["vocabulary_sharded", TOPOLOGIES[0]]["program"]).read_text()
+    assert _gathers_after_an_update(after_backward) == 0
+    assert _gathers_after_an_update(in_backward) > 0
 
 
 def _casts_passing_barriers(program: str, to: str, source: str) -> int:

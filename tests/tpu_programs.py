@@ -139,6 +139,9 @@ CONFIGS: Dict[str, Tuple[Callable[[], FSDP], int, str]] = {
         "train",
     ),
     "no_sync": (lambda: per_layer(), 2, "train"),
+    # AdamW stepping each unit in backward (apply_optimizer_in_backward); the tables kept sharded
+    # are stepped after backward
+    "optimizer_in_backward": (lambda: dim0_lm_head(keep_vocabulary_sharded=True), 1, "train"),
     "eval": (lambda: per_layer(), 1, "eval"),
 }
 # Programs whose logits are written as a real model's are (slice assignments), though at 32 tokens
@@ -175,6 +178,8 @@ def _export(name: str, out: Path) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tpu_program.placeholder_optimizer_state(optimizer)
     donations = tpu_program.Donations.of_step(model, optimizer)
+    if name == "optimizer_in_backward":
+        model.apply_optimizer_in_backward(optimizer)
     for m in range(micro):
         if m < micro - 1:
             with model.no_sync():

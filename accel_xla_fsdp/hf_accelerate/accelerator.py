@@ -122,7 +122,27 @@ class Accelerator(accelerate.Accelerator):
         for optimizer in optimizers:
             if models_here or holds_any(optimizer, self._shard_of):
                 move_onto_shards(optimizer, self._unwrapped_names, self._shard_of)
-        return super().prepare(*objects, device_placement=device_placement)
+        prepared = super().prepare(*objects, device_placement=device_placement)
+        if self.xla_fsdp_plugin.optimizer_in_backward:
+            self._apply_optimizers_in_backward()
+        return prepared
+
+    def _apply_optimizers_in_backward(self) -> None:
+        """``xla_fsdp_optimizer_in_backward``: each prepared model's optimizer steps it in backward
+        (``XlaFullyShardedDataParallel.apply_optimizer_in_backward``), once both are prepared."""
+        for model in self._sharded_models():
+            owned = {id(p) for p in model.parameters()}
+            mine = [
+                o.optimizer
+                for o in self._optimizers
+                if any(id(p) in owned for g in o.param_groups for p in g["params"])
+            ]
+            if len(mine) > 1:
+                raise ValueError(
+                    f"xla_fsdp_optimizer_in_backward: {len(mine)} optimizers step one model; it takes one"
+                )
+            if mine and model.unit_state.root_state.optimizer_in_backward is not mine[0]:
+                model.apply_optimizer_in_backward(mine[0])
 
     def shard_model(
         self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None
