@@ -210,6 +210,45 @@ def test_param_groups_keep_their_settings_in_every_layout(pools, layout: str) ->
             torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def accumulate_in_backward(rank: int, world: int) -> Dict[str, Any]:
+    """Two micro-batches per step under ``accumulate``, the optimizer stepping in backward: the
+    losses and the final weights."""
+    acc = Accelerator(gradient_accumulation_steps=2, fsdp_plugin=XlaFsdpPlugin(optimizer_in_backward=True))
+    model = script.build_model()
+    model, optimizer = acc.prepare(model, script.optimizer_for(model))
+    ids = batch(world)[rank::world].to(acc.device)
+    losses = []
+    for _ in range(2 * STEPS):
+        with acc.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+        accel_xla_fsdp.sync()
+    return {"losses": torch.stack(losses).cpu(), "state": acc.get_state_dict(model)}
+
+
+def test_accumulation_with_the_optimizer_in_backward_on_one_replica(pools) -> None:
+    """On one replica Accelerate's ``accumulate`` syncs every micro-step; with the optimizer in
+    backward ours uses the engine's ``no_sync`` there, so each step applies both micro-batches'
+    gradients once, as the plain model's accumulation does."""
+    plain = script.build_model()
+    optimizer = script.optimizer_for(plain)
+    ids, plain_losses = batch(1), []
+    for micro in range(2 * STEPS):
+        loss = plain(input_ids=ids, labels=ids).loss
+        (loss / 2).backward()
+        if micro % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+        plain_losses.append(loss.item())
+    (out,) = pools[1].run(accumulate_in_backward, 1)
+    torch.testing.assert_close(out["losses"], torch.tensor(plain_losses), rtol=1e-5, atol=1e-6)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def save_small_model(rank: int, world: int, folder: str) -> None:
     acc = Accelerator()
     acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3)))

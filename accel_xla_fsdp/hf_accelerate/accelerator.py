@@ -22,6 +22,7 @@ What it changes, and why (Accelerate 1.11 to 1.15 on XLA):
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
 import accelerate
@@ -209,6 +210,19 @@ class Accelerator(accelerate.Accelerator):
         return XlaDataLoader(dataloader.shard, dataloader.rng_types, num_batches)
 
     # -- training ------------------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Accelerate's, which on one replica syncs every micro-step; with the optimizer in
+        backward the engine's ``no_sync`` then too, or each micro-step would apply its gradients
+        ([Note: the optimizer in backward])."""
+        in_backward = self.xla_fsdp_plugin.optimizer_in_backward and not self.use_distributed
+        if in_backward and isinstance(model, XlaFullyShardedDataParallel):
+            with model.no_sync():
+                yield
+            return
+        with super().no_sync(model):
+            yield
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip by the norm of the whole gradient (every replica's shards): pass ``model.parameters()``."""
