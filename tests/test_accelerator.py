@@ -151,6 +151,20 @@ def batch(world: int) -> torch.Tensor:
     return torch.randint(0, script.VOCAB, (2 * world, script.SEQ), generator=torch.Generator().manual_seed(7))
 
 
+def train_steps(acc: Accelerator, model: Any, optimizer: Any, ids: torch.Tensor, micro_steps: int) -> torch.Tensor:
+    """``micro_steps`` steps of a script's loop under ``accumulate`` on ``ids``: their losses."""
+    losses = []
+    for _ in range(micro_steps):
+        with acc.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+        accel_xla_fsdp.sync()
+    return torch.stack(losses).cpu()
+
+
 def train_with_decay_groups(rank: int, world: int, layout: str) -> Dict[str, Any]:
     """``STEPS`` AdamW steps on this replica's rows, the optimizer in two groups (weight decay 0.1
     and 0): its groups' shards, the losses and the final weights."""
@@ -167,20 +181,12 @@ def train_with_decay_groups(rank: int, world: int, layout: str) -> Dict[str, Any
     assert (stepping_in_backward is optimizer.optimizer) if in_backward else stepping_in_backward is None
     groups = [{id(p) for p in g["params"]} for g in optimizer.param_groups]
     shards = {id(p) for p in model.parameters()}
-    ids = batch(world)[rank::world].to(acc.device)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, labels=ids).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-        accel_xla_fsdp.sync()
+    losses = train_steps(acc, model, optimizer, batch(world)[rank::world].to(acc.device), STEPS)
     return {
         "shards": len(shards),
         "in groups": [len(g) for g in groups],
         "every shard in one group": groups[0] | groups[1] == shards and not groups[0] & groups[1],
-        "losses": torch.stack(losses).cpu(),
+        "losses": losses,
         "state": acc.get_state_dict(model),
     }
 
@@ -216,17 +222,8 @@ def accumulate_in_backward(rank: int, world: int) -> Dict[str, Any]:
     acc = Accelerator(gradient_accumulation_steps=2, fsdp_plugin=XlaFsdpPlugin(optimizer_in_backward=True))
     model = script.build_model()
     model, optimizer = acc.prepare(model, script.optimizer_for(model))
-    ids = batch(world)[rank::world].to(acc.device)
-    losses = []
-    for _ in range(2 * STEPS):
-        with acc.accumulate(model):
-            loss = model(input_ids=ids, labels=ids).loss
-            acc.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.detach())
-        accel_xla_fsdp.sync()
-    return {"losses": torch.stack(losses).cpu(), "state": acc.get_state_dict(model)}
+    losses = train_steps(acc, model, optimizer, batch(world)[rank::world].to(acc.device), 2 * STEPS)
+    return {"losses": losses, "state": acc.get_state_dict(model)}
 
 
 def test_accumulation_with_the_optimizer_in_backward_on_one_replica(pools) -> None:
