@@ -422,8 +422,10 @@ class RootState:
         """[Note: the optimizer in backward]: with an optimizer given, step the groups whose
         gradients were just reduced, and only them; returns their updated shards."""
         optimizer = self.optimizer_in_backward
+        if optimizer is None or not self.sync_gradients:  # every unit's backward passes here
+            return []
         shards: List[torch.Tensor] = [group.shard for group, _ in reduced if group.shard.grad is not None]
-        if optimizer is None or not self.sync_gradients or not shards:
+        if not shards:
             return []
         if self.awaiting_step:
             raise RuntimeError(

@@ -131,19 +131,12 @@ class Accelerator(accelerate.Accelerator):
     def _apply_optimizers_in_backward(self) -> None:
         """``xla_fsdp_optimizer_in_backward``: each prepared model's optimizer steps it in backward
         (``XlaFullyShardedDataParallel.apply_optimizer_in_backward``), once both are prepared."""
-        for model in self._sharded_models():
-            owned = {id(p) for p in model.parameters()}
-            mine = [
-                o.optimizer
-                for o in self._optimizers
-                if any(id(p) in owned for g in o.param_groups for p in g["params"])
-            ]
-            if len(mine) > 1:
-                raise ValueError(
-                    f"xla_fsdp_optimizer_in_backward: {len(mine)} optimizers step one model; it takes one"
-                )
-            if mine and model.unit_state.root_state.optimizer_in_backward is not mine[0]:
-                model.apply_optimizer_in_backward(mine[0])
+        pairs = checkpoints.pair_optimizers(
+            self._sharded_models(), self._optimizers, "xla_fsdp_optimizer_in_backward takes one"
+        )
+        for model, optimizer in pairs:
+            if optimizer is not None and model.unit_state.root_state.optimizer_in_backward is not optimizer:
+                model.apply_optimizer_in_backward(optimizer)
 
     def shard_model(
         self, model: nn.Module, flat_shard_key: Optional[FlatShardKey] = None

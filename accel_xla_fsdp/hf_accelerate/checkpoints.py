@@ -70,17 +70,18 @@ def consolidated_dir(state: Location, index: int) -> Location:
 
 
 def pair_optimizers(
-    models: Sequence[XlaFullyShardedDataParallel], optimizers: Sequence[Any]
+    models: Sequence[XlaFullyShardedDataParallel],
+    optimizers: Sequence[Any],
+    why_one: str = "save_state keeps one per model",
 ) -> List[ModelAndOptimizer]:
-    """Each prepared model with the optimizer over its shards (or None)."""
+    """Each prepared model with the optimizer over its shards (or None); ``why_one``: what
+    refuses several, for the error."""
     pairs: List[ModelAndOptimizer] = []
     for model in models:
         owned = {id(p) for p in model.parameters()}
         mine = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
         if len(mine) > 1:
-            raise ValueError(
-                f"{len(mine)} optimizers step the parameters of one model; save_state keeps one per model"
-            )
+            raise ValueError(f"{len(mine)} optimizers step the parameters of one model; {why_one}")
         pairs.append((model, mine[0].optimizer if mine else None))
     return pairs
 
